@@ -1,0 +1,126 @@
+// The split-KV schedule (SPEC §6): plain C++ usable on the host and on the device.
+//
+// Work is counted in blocks of 64 list entries. Request i has
+//   main_blocks(i)  = max(ceil(L_i / 64), 1)   (L_i = clamp(topk_length[i], 0, topk))
+//   extra_blocks(i) = ceil(EL_i / 64)           (EL_i likewise for the extra list)
+// blocks, numbered main first. Each piece of a request costs its blocks plus
+// kPieceOverhead. Workers take requests in order, each up to a budget of
+// ceil(total / num_parts) + kPieceOverhead, cutting a request where a budget ends.
+//
+// Outputs:
+//   sched[num_parts][8] = {begin_req, end_req, begin_block, end_block,
+//                          begin_split, is_first_split, is_last_split, 0}
+//     A worker covers requests begin_req..end_req (inclusive; none when
+//     begin_req > end_req). Request r's blocks are
+//     [r == begin_req ? begin_block : 0, r == end_req ? end_block : blocks(r)).
+//     begin_split is the piece number of begin_req's piece (later requests of the
+//     worker start there, piece 0). is_first_split / is_last_split say whether the
+//     worker's first piece starts its request and its last piece ends its request.
+//   num_splits[b + 1]: prefix sum of the number of pieces per request.
+//     A request with one piece writes out/lse directly; a request with several
+//     writes piece p to partial slot num_splits[r] + p (< b + num_parts).
+#pragma once
+
+#include <cstdint>
+
+#include "kv_format.h"
+
+namespace jsm {
+
+constexpr int kBlockEntries = 64;
+constexpr int kPieceOverhead = 5;
+constexpr int kSchedFields = 8;
+
+enum SchedField : int {
+  kBeginReq = 0,
+  kEndReq = 1,
+  kBeginBlock = 2,
+  kEndBlock = 3,
+  kBeginSplit = 4,
+  kIsFirstSplit = 5,
+  kIsLastSplit = 6,
+};
+
+JSM_HD int clamp_length(int32_t len, int topk) { return len < 0 ? 0 : (len > topk ? topk : len); }
+
+JSM_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+JSM_HD int main_blocks(int main_len) {
+  const int n = ceil_div(main_len, kBlockEntries);
+  return n > 0 ? n : 1;
+}
+
+JSM_HD int extra_blocks(int extra_len) { return ceil_div(extra_len, kBlockEntries); }
+
+// The list entries one block covers: a range of the main or of the extra list.
+struct BlockSpan {
+  bool extra;  // false: main list, true: extra list
+  int begin;   // first entry
+  int end;     // one past the last entry (may equal begin: an empty block)
+};
+
+JSM_HD BlockSpan block_span(int block, int main_len, int extra_len) {
+  const int mb = main_blocks(main_len);
+  BlockSpan s;
+  s.extra = block >= mb;
+  const int local = s.extra ? block - mb : block;
+  const int len = s.extra ? extra_len : main_len;
+  s.begin = local * kBlockEntries;
+  s.end = s.begin + kBlockEntries < len ? s.begin + kBlockEntries : len;
+  if (s.end < s.begin) s.end = s.begin;
+  return s;
+}
+
+// `blocks_of(i)` returns the block count of request i (main + extra).
+template <typename BlocksOf>
+JSM_HD void build_split_plan(int batch, int num_parts, BlocksOf blocks_of, int32_t* sched, int32_t* num_splits) {
+  int64_t total = 0;
+  for (int i = 0; i < batch; ++i) total += blocks_of(i) + kPieceOverhead;
+  const int64_t budget = (total + num_parts - 1) / num_parts + kPieceOverhead;
+
+  int req = 0, block = 0, piece = 0, pieces_before = 0;
+  num_splits[0] = 0;
+  for (int w = 0; w < num_parts; ++w) {
+    int32_t* row = sched + w * kSchedFields;
+    for (int k = 0; k < kSchedFields; ++k) row[k] = 0;
+    if (req >= batch) {  // nothing left: an empty worker
+      row[kBeginReq] = batch;
+      row[kEndReq] = batch - 1;
+      continue;
+    }
+    row[kBeginReq] = req;
+    row[kBeginBlock] = block;
+    row[kBeginSplit] = piece;
+    row[kIsFirstSplit] = piece == 0;
+    int end_req = req, end_block = block;
+    // The last worker takes whatever is left, so no work is ever dropped.
+    int64_t remain = (w == num_parts - 1) ? INT64_MAX / 2 : budget;
+    while (req < batch) {
+      const int left = blocks_of(req) - block;
+      if (remain >= left + kPieceOverhead) {  // the rest of this request fits
+        remain -= left + kPieceOverhead;
+        end_req = req;
+        end_block = block + left;
+        pieces_before += piece + 1;
+        num_splits[req + 1] = pieces_before;
+        ++req;
+        block = 0;
+        piece = 0;
+      } else {
+        const int64_t take = remain - kPieceOverhead;
+        if (take > 0) {  // cut the request: this worker does `take` of its blocks
+          block += static_cast<int>(take);
+          end_req = req;
+          end_block = block;
+          ++piece;
+        }
+        break;
+      }
+    }
+    row[kEndReq] = end_req;
+    row[kEndBlock] = end_block;
+    row[kIsLastSplit] = end_block == blocks_of(end_req);
+  }
+}
+
+}  // namespace jsm

@@ -1,0 +1,59 @@
+// nanobind module: hands the FFI handlers to Python as capsules and reports
+// how the extension was built.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+nb::capsule as_capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }
+
+nb::list split_archs(const char* csv) {
+  nb::list out;
+  std::string s(csv), item;
+  for (char c : s) {
+    if (c == ',') {
+      if (!item.empty()) out.append(item);
+      item.clear();
+    } else {
+      item.push_back(c);
+    }
+  }
+  if (!item.empty()) out.append(item);
+  return out;
+}
+
+}  // namespace
+
+NB_MODULE(_jax_sparse_mla, m) {
+  m.def("cpu_registrations", [] {
+    nb::dict d;
+    d["jsm_plan"] = as_capsule(JsmPlanCpu);
+    d["jsm_decode"] = as_capsule(JsmDecodeCpu);
+    d["jsm_combine"] = as_capsule(JsmCombineCpu);
+    return d;
+  });
+  m.def("cuda_registrations", [] {
+    nb::dict d;
+#ifdef JSM_WITH_CUDA
+    d["jsm_plan"] = as_capsule(JsmPlanCuda);
+    d["jsm_decode"] = as_capsule(JsmDecodeCuda);
+    d["jsm_combine"] = as_capsule(JsmCombineCuda);
+#endif
+    return d;
+  });
+  m.def("build_info", [] {
+    nb::dict d;
+    d["jaxlib"] = JSM_JAXLIB_VERSION;
+#ifdef JSM_WITH_CUDA
+    d["cuda"] = true;
+#else
+    d["cuda"] = false;
+#endif
+    d["cuda_archs"] = split_archs(JSM_CUDA_ARCHS);
+    return d;
+  });
+}

@@ -1,0 +1,25 @@
+"""jax_sparse_mla: DeepSeek-style sparse MLA decoding on FP8 paged caches, for JAX.
+
+Public API only; see README.md and SPEC.md for the contract.
+"""
+
+__version__ = "0.1.0"
+
+from jax_sparse_mla._ffi import TARGETS as EXPORT_CUSTOM_CALL_TARGETS
+from jax_sparse_mla._ffi import build_info
+from jax_sparse_mla.formats import KVFormat, dequantize_kv, quantize_kv, write_kv
+from jax_sparse_mla.ops import DecodeConfig, DecodePlan, default_num_parts, plan_decode, sparse_mla_decode
+
+__all__ = [
+    "EXPORT_CUSTOM_CALL_TARGETS",
+    "DecodeConfig",
+    "DecodePlan",
+    "KVFormat",
+    "build_info",
+    "default_num_parts",
+    "dequantize_kv",
+    "plan_decode",
+    "quantize_kv",
+    "sparse_mla_decode",
+    "write_kv",
+]

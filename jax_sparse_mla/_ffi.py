@@ -1,0 +1,35 @@
+"""Loads the compiled extension once and registers its XLA FFI targets."""
+
+from __future__ import annotations
+
+import jax
+
+from jax_sparse_mla import _jax_sparse_mla as _ext
+
+PLAN_TARGET = "jsm_plan"
+DECODE_TARGET = "jsm_decode"
+COMBINE_TARGET = "jsm_combine"
+# Custom-call names a `jax.export` user must list in `disabled_checks`.
+TARGETS = (PLAN_TARGET, DECODE_TARGET, COMBINE_TARGET)
+
+
+def _register() -> bool:
+    for name, capsule in _ext.cpu_registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    cuda = _ext.cuda_registrations()
+    for name, capsule in cuda.items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    return bool(cuda)
+
+
+CUDA_BUILT = _register()
+
+
+def build_info() -> dict:
+    """How the extension was built: jaxlib headers, CUDA handlers, archs."""
+    from jax_sparse_mla import __version__
+
+    info = dict(_ext.build_info())
+    info["version"] = __version__
+    info["cuda_archs"] = list(info["cuda_archs"])
+    return info

@@ -1,0 +1,262 @@
+"""The public op: plan_decode and sparse_mla_decode, as three XLA FFI calls.
+
+One decode is: the split-KV planner (tiny), the split-KV decode pass (writes
+`out`/`lse` of requests done in one piece and fp32 partials of split ones, all
+as ordinary XLA outputs) and the combine pass (updates `out`/`lse` in place).
+The same three targets exist for the CPU and CUDA platforms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sparse_mla import _checks, _ffi
+from jax_sparse_mla.formats import KVFormat
+
+D_V = 512
+HEADS_PER_CTA = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static facts the schedule is sized from.
+
+    `num_sms` bounds the worker count; on CUDA the handler lowers it to what the
+    GPU running the call actually has, so no device is queried while tracing.
+    132 is the H100/H200 SXM count; no Hopper part has more.
+    """
+
+    num_sms: int = 132
+
+
+DEFAULT_CONFIG = DecodeConfig()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """A split-KV schedule. Depends only on shapes and the length arrays, so one
+    plan serves every layer of a decode step. Its arrays are ordinary JAX
+    values: compute it inside the jitted step (or pass it in)."""
+
+    sched: jax.Array  # [num_parts, 8] int32, one row per worker (SPEC §6)
+    num_splits: jax.Array  # [b + 1] int32, prefix sum of pieces per request
+    batch: int = dataclasses.field(metadata=dict(static=True))
+    topk: int = dataclasses.field(metadata=dict(static=True))
+    extra_topk: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_parts(self) -> int:
+        return int(self.sched.shape[0])
+
+
+def default_num_parts(s_q: int, h_q: int, config: DecodeConfig = DEFAULT_CONFIG) -> int:
+    """FlashMLA's worker count: SMs / s_q / (head groups of 64), at least 1."""
+    return max(config.num_sms // s_q // math.ceil(h_q / HEADS_PER_CTA), 1)
+
+
+def plan_decode(
+    q,
+    indices,
+    *,
+    topk_length=None,
+    extra_indices=None,
+    extra_topk_length=None,
+    num_parts: int | None = None,
+    config: DecodeConfig = DEFAULT_CONFIG,
+) -> DecodePlan:
+    """Plans the split-KV schedule of `sparse_mla_decode`.
+
+    Only the shapes of `q` `[b, s_q, h_q, d_qk]`, `indices` `[b, s_q, topk]` and
+    `extra_indices` `[b, s_q, extra_topk]` are used (arrays or
+    `jax.ShapeDtypeStruct`s), plus the values of the optional `[b]` int32 length
+    arrays. Pass the same lengths to `sparse_mla_decode`.
+
+    `num_parts`: the number of workers. Default: `default_num_parts(s_q, h_q)`,
+    fitted on CUDA to the SM count of the GPU that runs it. An explicit value is
+    used as is (useful to force many small pieces).
+    """
+    q_shape, idx_shape = _checks._shape(q), _checks._shape(indices)
+    if len(q_shape) != 4:
+        raise ValueError(f"q: expected shape [b, s_q, h_q, d_qk], got {q_shape}")
+    b, s_q, h_q, _ = q_shape
+    if len(idx_shape) != 3 or idx_shape[:2] != (b, s_q) or idx_shape[2] < 1:
+        raise ValueError(f"indices: expected shape [b, s_q, topk] = ({b}, {s_q}, topk >= 1), got {idx_shape}")
+    topk = idx_shape[2]
+    extra_topk = 0
+    if extra_indices is not None:
+        e_shape = _checks._shape(extra_indices)
+        if len(e_shape) != 3 or e_shape[:2] != (b, s_q):
+            raise ValueError(f"extra_indices: expected shape [b, s_q, extra_topk] with b={b}, s_q={s_q}, got {e_shape}")
+        extra_topk = e_shape[2]
+    elif extra_topk_length is not None:
+        raise ValueError("extra_topk_length: given without extra_indices")
+    fit = num_parts is None
+    if num_parts is None:
+        num_parts = default_num_parts(s_q, h_q, config)
+    if not isinstance(num_parts, (int, np.integer)) or num_parts < 1:
+        raise ValueError(f"num_parts: expected an int >= 1, got {num_parts!r}")
+    lengths = _lengths_or_full("topk_length", topk_length, b, topk)
+    extra_lengths = _lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
+    sched, num_splits = jax.ffi.ffi_call(
+        _ffi.PLAN_TARGET,
+        (
+            jax.ShapeDtypeStruct((int(num_parts), 8), jnp.int32),
+            jax.ShapeDtypeStruct((b + 1,), jnp.int32),
+        ),
+    )(
+        lengths,
+        extra_lengths,
+        topk=np.int64(topk),
+        extra_topk=np.int64(extra_topk),
+        num_parts=np.int64(num_parts),
+        fit_to_device=bool(fit),
+        parts_divisor=np.int64(s_q * math.ceil(h_q / HEADS_PER_CTA)),
+    )
+    return DecodePlan(sched=sched, num_splits=num_splits, batch=b, topk=topk, extra_topk=extra_topk)
+
+
+def _lengths_or_full(name: str, lengths, batch: int, full: int):
+    if lengths is None:
+        return jnp.full((batch,), full, jnp.int32)
+    _checks.check_lengths(name, lengths, batch)
+    return lengths
+
+
+def sparse_mla_decode(
+    q,
+    kv_cache,
+    indices,
+    *,
+    sm_scale=None,
+    topk_length=None,
+    attn_sink=None,
+    extra_kv_cache=None,
+    extra_indices=None,
+    extra_topk_length=None,
+    plan: DecodePlan | None = None,
+):
+    """Sparse MLA decode over an FP8 paged latent cache (SPEC §1-§4).
+
+    q `[b, s_q, h_q, d_qk]` bf16 (d_qk 576: V32, 512: MODEL1);
+    kv_cache `[num_blocks, page_size, bytes]` (or `[.., 1, bytes]`) uint8/int8/fp8;
+    indices `[b, s_q, topk]` int32 flat token ids `page * page_size + offset`
+    (out-of-range ids are masked and never read);
+    topk_length `[b]` int32; attn_sink `[h_q]` float32;
+    extra_kv_cache / extra_indices `[b, s_q, extra_topk]` / extra_topk_length `[b]`:
+    a second cache (own page size) in the same softmax;
+    plan: from `plan_decode` with the same shapes and lengths (computed here if None).
+
+    Returns `out` `[b, s_q, h_q, 512]` bf16 and `lse` `[b, h_q, s_q]` float32.
+    """
+    args = _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
+                    extra_topk_length, plan)
+    return _decode(**args)
+
+
+def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
+             extra_topk_length, plan):
+    """Validates every operand and fills the optional ones with neutral values."""
+    _checks.check_dtype("q", q, (jnp.bfloat16,))
+    q_shape = _checks._shape(q)
+    if len(q_shape) != 4:
+        raise ValueError(f"q: expected shape [b, s_q, h_q, d_qk], got {q_shape}")
+    b, s_q, h_q, d_qk = q_shape
+    if min(b, s_q, h_q) < 1:
+        raise ValueError(f"q: b, s_q and h_q must be >= 1, got shape {q_shape}")
+    fmt = KVFormat.from_d_qk(d_qk)
+    cache = _checks.check_cache("kv_cache", kv_cache, fmt)
+
+    _checks.check_dtype("indices", indices, (jnp.int32,))
+    idx_shape = _checks._shape(indices)
+    if len(idx_shape) != 3 or idx_shape[:2] != (b, s_q) or idx_shape[2] < 1:
+        raise ValueError(f"indices: expected shape [b, s_q, topk] = ({b}, {s_q}, topk >= 1), got {idx_shape}")
+    topk = idx_shape[2]
+
+    scale = d_qk ** -0.5 if sm_scale is None else _checks.check_static_float("sm_scale", sm_scale)
+    lengths = _lengths_or_full("topk_length", topk_length, b, topk)
+
+    has_sink = attn_sink is not None
+    if has_sink:
+        _checks.check_dtype("attn_sink", attn_sink, (jnp.float32,))
+        _checks.check_shape("attn_sink", attn_sink, (h_q,), "[h_q]")
+    else:
+        attn_sink = jnp.zeros((h_q,), jnp.float32)
+
+    if (extra_kv_cache is None) != (extra_indices is None):
+        given, missing = ("extra_kv_cache", "extra_indices") if extra_indices is None else (
+            "extra_indices", "extra_kv_cache")
+        raise ValueError(f"{given}: given without {missing}; pass both or neither")
+    if extra_indices is None:
+        if extra_topk_length is not None:
+            raise ValueError("extra_topk_length: given without extra_kv_cache / extra_indices")
+        extra_kv_cache = jnp.zeros((1, 1, fmt.bytes_per_token), jnp.uint8)
+        extra_indices = jnp.zeros((b, s_q, 0), jnp.int32)
+        extra_page_size = 1
+    else:
+        extra = _checks.check_cache("extra_kv_cache", extra_kv_cache, fmt)
+        extra_page_size = extra.page_size
+        _checks.check_dtype("extra_indices", extra_indices, (jnp.int32,))
+        e_shape = _checks._shape(extra_indices)
+        if len(e_shape) != 3 or e_shape[:2] != (b, s_q) or e_shape[2] < 1:
+            raise ValueError(
+                f"extra_indices: expected shape [b, s_q, extra_topk] = ({b}, {s_q}, extra_topk >= 1), got {e_shape}")
+    extra_topk = _checks._shape(extra_indices)[2]
+    extra_lengths = _lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
+
+    if plan is None:
+        plan = plan_decode(q, indices, topk_length=lengths, extra_indices=extra_indices if extra_topk else None,
+                           extra_topk_length=extra_lengths if extra_topk else None)
+    else:
+        _check_plan(plan, b, topk, extra_topk)
+    return dict(q=q, kv_cache=kv_cache, indices=indices, topk_length=lengths, extra_kv_cache=extra_kv_cache,
+                extra_indices=extra_indices, extra_topk_length=extra_lengths, attn_sink=attn_sink, plan=plan,
+                sm_scale=float(scale), fmt=fmt, page_size=cache.page_size, extra_page_size=extra_page_size,
+                has_sink=has_sink)
+
+
+def _check_plan(plan, b: int, topk: int, extra_topk: int) -> None:
+    if not isinstance(plan, DecodePlan):
+        raise TypeError(f"plan: expected a DecodePlan from plan_decode, got {type(plan).__name__}")
+    got = (plan.batch, plan.topk, plan.extra_topk)
+    if got != (b, topk, extra_topk):
+        raise ValueError(
+            f"plan: made for (b, topk, extra_topk) = {got}, but this call has {(b, topk, extra_topk)}; "
+            "plan with the same indices shapes and lengths")
+    if _checks._shape(plan.num_splits) != (b + 1,):
+        raise ValueError(f"plan.num_splits: expected shape ({b + 1},), got {_checks._shape(plan.num_splits)}")
+
+
+def _decode(*, q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, extra_topk_length, attn_sink, plan,
+            sm_scale, fmt, page_size, extra_page_size, has_sink):
+    """The two FFI calls on validated operands."""
+    b, s_q, h_q, _ = q.shape
+    parts = plan.num_parts
+    out, lse, out_accum, lse_accum = jax.ffi.ffi_call(
+        _ffi.DECODE_TARGET,
+        (
+            jax.ShapeDtypeStruct((b, s_q, h_q, D_V), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, h_q, s_q), jnp.float32),
+            jax.ShapeDtypeStruct((b + parts, s_q, h_q, D_V), jnp.float32),
+            jax.ShapeDtypeStruct((b + parts, s_q, h_q), jnp.float32),
+        ),
+    )(
+        q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, extra_topk_length, attn_sink,
+        plan.sched, plan.num_splits,
+        sm_scale=np.float32(sm_scale),
+        kv_format=np.int32(fmt.code),
+        page_size=np.int64(page_size),
+        extra_page_size=np.int64(extra_page_size),
+        has_sink=bool(has_sink),
+    )
+    out, lse = jax.ffi.ffi_call(
+        _ffi.COMBINE_TARGET,
+        (jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(lse.shape, lse.dtype)),
+        input_output_aliases={0: 0, 1: 1},
+    )(out, lse, out_accum, lse_accum, plan.num_splits, attn_sink, has_sink=bool(has_sink))
+    return out, lse
