@@ -9,11 +9,14 @@ The same three targets exist for the CPU and CUDA platforms.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_sparse_mla import _checks, _ffi
 from jax_sparse_mla.formats import KVFormat
@@ -109,6 +112,9 @@ def plan_decode(
             jax.ShapeDtypeStruct((int(num_parts), 8), jnp.int32),
             jax.ShapeDtypeStruct((b + 1,), jnp.int32),
         ),
+        # Under vmap every mapped element gets its own plan (a loop over tiny calls);
+        # sparse_mla_decode under vmap plans the folded batch itself.
+        vmap_method="sequential",
     )(
         lengths,
         extra_lengths,
@@ -156,7 +162,7 @@ def sparse_mla_decode(
     """
     args = _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
                     extra_topk_length, plan)
-    return _decode(**args)
+    return _transformable_decode(args, user_plan=plan is not None)
 
 
 def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
@@ -169,6 +175,8 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
     b, s_q, h_q, d_qk = q_shape
     if min(b, s_q, h_q) < 1:
         raise ValueError(f"q: b, s_q and h_q must be >= 1, got shape {q_shape}")
+    if d_qk not in (576, 512):
+        raise ValueError(f"q: expected last dim d_qk in {{576 (V32), 512 (MODEL1)}}, got d_qk={d_qk}")
     fmt = KVFormat.from_d_qk(d_qk)
     cache = _checks.check_cache("kv_cache", kv_cache, fmt)
 
@@ -260,3 +268,282 @@ def _decode(*, q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
         input_output_aliases={0: 0, 1: 1},
     )(out, lse, out_accum, lse_accum, plan.num_splits, attn_sink, has_sink=bool(has_sink))
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformations.
+#
+# `sparse_mla_decode` runs through two wrappers around the FFI calls above:
+#   1. `custom_vmap`: mapped dims fold into the request batch (q [n, b, ...] -> [n*b, ...]).
+#   2. `custom_partitioning` with a Shardy sharding rule: under plain `jax.jit` with sharded
+#      inputs, each device decodes its own heads and/or requests; the caches stay replicated.
+# Inside `shard_map` (all mesh axes manual) the partitioning wrapper lowers to its body, so the
+# op just runs on the local shapes there.
+
+# Operand order of the wrapped core (the plan arrays only when the caller passed a plan).
+_CORE_OPERANDS = ("q", "kv_cache", "indices", "topk_length", "extra_kv_cache", "extra_indices",
+                  "extra_topk_length", "attn_sink")
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything static about one decode call (hashable: it keys the wrapper caches)."""
+
+    sm_scale: float
+    fmt: KVFormat
+    page_size: int
+    extra_page_size: int
+    has_sink: bool
+    has_extra: bool
+    # The worker count of a plan the caller passed (its arrays are then core operands);
+    # None: the core plans for the shapes it sees (per shard, per folded batch).
+    plan_parts: int | None
+
+
+def _rank3(cache):
+    """A FlashMLA-shaped [num_blocks, page_size, 1, bytes] cache as [num_blocks, page_size, bytes]
+    (same bytes; a bitcast in XLA)."""
+    shape = _checks._shape(cache)
+    return cache.reshape(shape[0], shape[1], shape[3]) if len(shape) == 4 else cache
+
+
+def _transformable_decode(args: dict, *, user_plan: bool):
+    """`sparse_mla_decode` after validation: the batching and partitioning wrappers."""
+    plan = args["plan"]
+    static = _Static(
+        sm_scale=float(args["sm_scale"]), fmt=args["fmt"], page_size=int(args["page_size"]),
+        extra_page_size=int(args["extra_page_size"]), has_sink=bool(args["has_sink"]),
+        has_extra=_checks._shape(args["extra_indices"])[2] > 0,
+        plan_parts=plan.num_parts if user_plan else None)
+    ops = [args[name] for name in _CORE_OPERANDS]
+    ops[1], ops[4] = _rank3(ops[1]), _rank3(ops[4])
+    if user_plan:
+        ops += [plan.sched, plan.num_splits]
+    return _batchable(static)(*ops)
+
+
+def _plan_for(static: _Static, q, indices, topk_length, extra_indices, extra_topk_length) -> DecodePlan:
+    return plan_decode(q, indices, topk_length=topk_length,
+                       extra_indices=extra_indices if static.has_extra else None,
+                       extra_topk_length=extra_topk_length if static.has_extra else None,
+                       num_parts=static.plan_parts)
+
+
+def _local_decode(static: _Static, ops, *, replan: bool):
+    """The FFI pipeline on the shapes at hand; `replan` ignores a passed plan."""
+    q, kv, idx, tl, ekv, eidx, etl, sink = ops[:8]
+    if len(ops) == 10 and not replan:
+        plan = DecodePlan(sched=ops[8], num_splits=ops[9], batch=int(q.shape[0]), topk=int(idx.shape[2]),
+                          extra_topk=int(eidx.shape[2]))
+    else:
+        plan = _plan_for(static, q, idx, tl, eidx, etl)
+    return _decode(q=q, kv_cache=kv, indices=idx, topk_length=tl, extra_kv_cache=ekv, extra_indices=eidx,
+                   extra_topk_length=etl, attn_sink=sink, plan=plan, sm_scale=static.sm_scale, fmt=static.fmt,
+                   page_size=static.page_size, extra_page_size=static.extra_page_size, has_sink=static.has_sink)
+
+
+# --- vmap ---------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _batchable(static: _Static):
+    @jax.custom_batching.custom_vmap
+    def decode(*ops):
+        return _partitionable(static)(*ops)
+
+    @decode.def_vmap
+    def rule(axis_size, in_batched, *ops):
+        return _fold_batch(static, axis_size, in_batched, ops)
+
+    return decode
+
+
+def _stack_caches(cache, indices, n: int, name: str):
+    """n caches [n, blocks, page, bytes] as one [n*blocks, page, bytes]; each element's valid
+    indices shifted onto its own part, invalid ones set to -1 (they stay masked)."""
+    blocks, page = int(cache.shape[1]), int(cache.shape[2])
+    tokens = blocks * page
+    if n * tokens > _INT32_MAX:
+        raise NotImplementedError(
+            f"vmap of sparse_mla_decode over {name}: the {n} mapped caches are stacked into one of "
+            f"{n * tokens} token slots, more than int32 indices can address ({_INT32_MAX}); map fewer "
+            "caches or pass one shared (unmapped) cache")
+    offset = (jnp.arange(n, dtype=jnp.int32) * tokens).reshape(n, 1, 1, 1)
+    valid = (indices >= 0) & (indices < tokens)
+    indices = jnp.where(valid, indices + offset, -1)
+    return cache.reshape(n * blocks, *cache.shape[2:]), indices
+
+
+def _fold_batch(static: _Static, n: int, in_batched, ops):
+    """vmap rule: every mapped dim folds into the request batch, one decode runs, and the
+    results unfold. A mapped cache is supported by stacking the n caches into one (see
+    `_stack_caches`); a mapped attn_sink is applied after the kernel (SPEC 4.3)."""
+    ops = list(ops)
+    batched = list(in_batched)
+    if not any(batched[:8]):
+        # Only the plan is mapped: one unmapped decode serves every element.
+        ops = ops[:8]
+        if static.plan_parts is not None:
+            plan = _plan_for(static, ops[0], ops[2], ops[3], ops[5], ops[6])
+            ops += [plan.sched, plan.num_splits]
+        return _batchable(static)(*ops), (False, False)
+
+    q, kv, idx, tl, ekv, eidx, etl, sink = ops[:8]
+    b_q, b_kv, b_idx, b_tl, b_ekv, b_eidx, b_etl, b_sink = batched[:8]
+
+    def per_element(x, is_batched):
+        return x if is_batched else jnp.broadcast_to(x, (n, *x.shape))
+
+    q, idx, tl, eidx, etl = (per_element(x, bt) for x, bt in
+                             ((q, b_q), (idx, b_idx), (tl, b_tl), (eidx, b_eidx), (etl, b_etl)))
+    if b_kv:
+        kv, idx = _stack_caches(kv, idx, n, "kv_cache")
+    if b_ekv:
+        if static.has_extra:
+            ekv, eidx = _stack_caches(ekv, eidx, n, "extra_kv_cache")
+        else:  # the neutral placeholder; nothing reads it
+            ekv = ekv[0]
+
+    b = int(q.shape[1])
+
+    def fold(x):
+        return x.reshape(n * b, *x.shape[2:])
+
+    q, idx, tl, eidx, etl = (fold(x) for x in (q, idx, tl, eidx, etl))
+    inner = static
+    if b_sink:
+        inner = dataclasses.replace(static, has_sink=False)
+        sink_rows = jnp.repeat(sink, b, axis=0)  # [n*b, h_q]
+        sink = jnp.zeros(sink.shape[1:], jnp.float32)
+    folded = [q, kv, idx, tl, ekv, eidx, etl, sink]
+    if static.plan_parts is not None:
+        plan = _plan_for(static, q, idx, tl, eidx, etl)
+        folded += [plan.sched, plan.num_splits]
+    out, lse = _batchable(inner)(*folded)
+    if b_sink:
+        out = _apply_sink(out, lse, sink_rows)
+    return (out.reshape(n, b, *out.shape[1:]), lse.reshape(n, b, *lse.shape[1:])), (True, True)
+
+
+def _apply_sink(out, lse, sink_rows):
+    """SPEC 4.3 on finished results: out *= 1 / (1 + exp(sink - lse)) = sigmoid(lse - sink).
+    Empty rows (lse = +inf) stay 0 whatever the sink."""
+    factor = jax.nn.sigmoid(lse - sink_rows[:, :, None])  # [b, h_q, s_q]
+    factor = jnp.where(lse == jnp.inf, 1.0, factor)
+    factor = jnp.transpose(factor, (0, 2, 1))[..., None]  # [b, s_q, h_q, 1]
+    return (out.astype(jnp.float32) * factor).astype(out.dtype)
+
+
+# --- sharding -----------------------------------------------------------------------------------
+
+# Shardy rule: b (requests) and h (heads) may be split; every other factor stays replicated.
+_RULE_OPERANDS = "b s h d, n p c, b s k, b, m r e, b s j, b, h"
+_RULE_PLAN = ", w f, t"
+_RULE_RESULTS = "b s h v, b h s"
+_SPLIT_FACTORS = ("b", "h")
+
+
+def _replicated_factors(rule: str) -> tuple:
+    """Every factor but b and h, in order of first appearance (Shardy wants them sorted)."""
+    seen = []
+    for ch in rule:
+        if ch.isalpha() and ch not in seen:
+            seen.append(ch)
+    return tuple(f for f in seen if f not in _SPLIT_FACTORS)
+
+
+@functools.lru_cache(maxsize=None)
+def _partitionable(static: _Static):
+    def decode(*ops):
+        return _local_decode(static, ops, replan=False)
+
+    wrapped = custom_partitioning(decode)
+    with_plan = static.plan_parts is not None
+    rule = _RULE_OPERANDS + (_RULE_PLAN if with_plan else "") + " -> " + _RULE_RESULTS
+    wrapped.def_partition(
+        partition=functools.partial(_partition, static),
+        infer_sharding_from_operands=functools.partial(_infer_shardings, static),
+        sharding_rule=rule,
+        need_replication_factors=_replicated_factors(rule),
+    )
+    return wrapped
+
+
+def _spec_axes(sharding, dim: int) -> tuple:
+    """The mesh axes dim `dim` of a NamedSharding is split over (empty if none or unknown)."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None or dim >= len(spec) or spec[dim] is None:
+        return ()
+    entry = spec[dim]
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _split_axes(mesh, size: int, *candidates) -> tuple:
+    """The first candidate axes that divide `size` evenly (an uneven split is not done)."""
+    for axes in candidates:
+        if axes and all(a in mesh.shape for a in axes):
+            ways = math.prod(mesh.shape[a] for a in axes)
+            if ways > 1 and size % ways == 0:
+                return axes
+    return ()
+
+
+def _entry(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _choose_split(mesh, arg_shapes, result_shapes):
+    q, out = arg_shapes[0], result_shapes[0]
+    b, _, h, _ = q.shape
+    b_axes = _split_axes(mesh, b, _spec_axes(q.sharding, 0), _spec_axes(out.sharding, 0),
+                         _spec_axes(arg_shapes[2].sharding, 0))
+    h_axes = _split_axes(mesh, h, _spec_axes(q.sharding, 2), _spec_axes(out.sharding, 2),
+                         _spec_axes(arg_shapes[7].sharding, 0))
+    if set(h_axes) & set(b_axes):
+        h_axes = ()
+    return b_axes, h_axes
+
+
+def _shardings(mesh, b_axes, h_axes, with_plan: bool):
+    bb, hh = _entry(b_axes), _entry(h_axes)
+
+    def ns(*spec):
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    args = [ns(bb, None, hh, None), ns(), ns(bb, None, None), ns(bb), ns(), ns(bb, None, None), ns(bb), ns(hh)]
+    if with_plan:
+        args += [ns(), ns()]
+    results = (ns(bb, None, hh, None), ns(bb, hh, None))
+    return tuple(args), results
+
+
+def _partition(static: _Static, mesh, arg_shapes, result_shape):
+    b_axes, h_axes = _choose_split(mesh, arg_shapes, result_shape)
+    with_plan = static.plan_parts is not None
+    arg_shardings, result_shardings = _shardings(mesh, b_axes, h_axes, with_plan)
+
+    # A plan covers the requests it was made for: with the batch split each shard plans its
+    # own requests. A head split keeps a passed plan (any plan for these requests is valid).
+    def lower(*ops):
+        return _local_decode(static, ops, replan=bool(b_axes))
+
+    return mesh, lower, result_shardings, arg_shardings
+
+
+def _infer_shardings(static: _Static, mesh, arg_shapes, result_shape):
+    """Result shardings for the GSPMD partitioner (`jax_use_shardy_partitioner` off)."""
+    b_axes, h_axes = _choose_split(mesh, arg_shapes, result_shape)
+    return _shardings(mesh, b_axes, h_axes, static.plan_parts is not None)[1]
+
+
+# --- jax.export -------------------------------------------------------------------------------
+
+def export_disabled_checks() -> tuple:
+    """The `disabled_checks` to pass to `jax.export.export` for a function using this op: one
+    `DisabledSafetyCheck.custom_call` per FFI target (plan, decode, combine). The exported
+    artifact needs `jax_sparse_mla` imported (targets registered) wherever it is called.
+    Export the single-device (or shard_map) program: a jit-sharded one embeds a Python
+    partitioning callback that cannot be serialized."""
+    from jax import export
+
+    return tuple(export.DisabledSafetyCheck.custom_call(name) for name in _ffi.TARGETS)

@@ -36,7 +36,7 @@ def test_q_dtype():
 
 
 def test_d_qk():
-    _raises(ValueError, r"d_qk.*576.*512.*got 600", q=jnp.zeros((2, 1, 16, 600), jnp.bfloat16))
+    _raises(ValueError, r"q: expected last dim d_qk in \{576 \(V32\), 512 \(MODEL1\)\}, got d_qk=600", q=jnp.zeros((2, 1, 16, 600), jnp.bfloat16))
 
 
 def test_cache_bytes_do_not_match_format():
