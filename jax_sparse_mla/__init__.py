@@ -8,7 +8,14 @@ __version__ = "0.1.0"
 from jax_sparse_mla._ffi import TARGETS as EXPORT_CUSTOM_CALL_TARGETS
 from jax_sparse_mla._ffi import build_info
 from jax_sparse_mla.formats import KVFormat, dequantize_kv, quantize_kv, write_kv
-from jax_sparse_mla.ops import DecodeConfig, DecodePlan, default_num_parts, plan_decode, sparse_mla_decode
+from jax_sparse_mla.ops import (
+    DecodeConfig,
+    DecodePlan,
+    default_num_parts,
+    export_disabled_checks,
+    plan_decode,
+    sparse_mla_decode,
+)
 
 __all__ = [
     "EXPORT_CUSTOM_CALL_TARGETS",
@@ -18,6 +25,7 @@ __all__ = [
     "build_info",
     "default_num_parts",
     "dequantize_kv",
+    "export_disabled_checks",
     "plan_decode",
     "quantize_kv",
     "sparse_mla_decode",

@@ -37,7 +37,16 @@ class DecodeConfig:
     num_sms: int = 132
 
 
-DEFAULT_CONFIG = DecodeConfig()
+CPU_WORKERS = 8
+
+
+@functools.cache
+def default_config() -> DecodeConfig:
+    """The config used when none is given, fixed once at first use from JAX's
+    default backend. GPUs get 132 SMs (the CUDA handler fits it to the GPU). The
+    CPU handler runs workers one after another, so a few keep the fp32 partial
+    buffers `[b + workers, ...]` small while still exercising the combine pass."""
+    return DecodeConfig(num_sms=132 if jax.default_backend() in ("gpu", "cuda") else CPU_WORKERS)
 
 
 @jax.tree_util.register_dataclass
@@ -58,8 +67,9 @@ class DecodePlan:
         return int(self.sched.shape[0])
 
 
-def default_num_parts(s_q: int, h_q: int, config: DecodeConfig = DEFAULT_CONFIG) -> int:
+def default_num_parts(s_q: int, h_q: int, config: DecodeConfig | None = None) -> int:
     """FlashMLA's worker count: SMs / s_q / (head groups of 64), at least 1."""
+    config = config or default_config()
     return max(config.num_sms // s_q // math.ceil(h_q / HEADS_PER_CTA), 1)
 
 
@@ -71,7 +81,7 @@ def plan_decode(
     extra_indices=None,
     extra_topk_length=None,
     num_parts: int | None = None,
-    config: DecodeConfig = DEFAULT_CONFIG,
+    config: DecodeConfig | None = None,
 ) -> DecodePlan:
     """Plans the split-KV schedule of `sparse_mla_decode`.
 
@@ -159,6 +169,12 @@ def sparse_mla_decode(
     plan: from `plan_decode` with the same shapes and lengths (computed here if None).
 
     Returns `out` `[b, s_q, h_q, 512]` bf16 and `lse` `[b, h_q, s_q]` float32.
+
+    Transformations: under `jax.vmap` mapped dims fold into the request batch (a mapped
+    cache is stacked into one, each element's indices shifted onto its part) and the plan is
+    made for the folded batch. Under `jax.jit` with sharded inputs heads and/or requests are
+    split across devices, caches replicated (see `jax_sparse_mla.sharding`); a passed plan is
+    kept while only heads are split, and re-made per shard once requests are split.
     """
     args = _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
                     extra_topk_length, plan)

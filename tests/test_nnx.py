@@ -1,0 +1,129 @@
+"""The Flax NNX MLA layer: while the context is shorter than top-k it equals dense MLA
+attention computed naively in float32 from the same weights and the dequantized cache; its TP
+annotations split heads, and the sharded layer equals the unsharded one."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+
+from jax_sparse_mla import nnx as jnnx  # noqa: E402
+
+SMALL = dict(dim=64, n_heads=8, q_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=2,
+             index_head_dim=64, page_size=8)
+
+
+def _step(layer, x, cache, pos, table, dense):
+    return layer(x, cache, pos, table, dense=dense)
+
+
+_jit_step = nnx.jit(_step, static_argnames="dense")
+
+
+def _assert_close(got, want, rel=1e-2):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = np.max(np.abs(want))
+    err = np.max(np.abs(got - want))
+    assert err <= rel * scale, f"max |diff| {err:.3g} > {rel} * max |ref| {scale:.3g}"
+    cos = np.sum(got * want) / np.sqrt(np.sum(got * got) * np.sum(want * want))
+    assert cos > 0.9999, cos
+
+
+def _decode_steps(config, steps, s=1, batch=3, seed=0):
+    """Runs `steps` calls of `s` tokens; each call's sparse output is checked against the dense
+    path on the same cache. Returns the number of cached tokens at the end."""
+    layer = jnnx.MLAAttention(config, rngs=nnx.Rngs(seed))
+    table, num_blocks = jnnx.make_block_table(batch, 48, config.page_size, seed=seed)
+    cache = jnnx.init_layer_cache(config, num_blocks, batch)
+    pos = jnp.asarray([0, 2, 5][:batch], jnp.int32)  # requests at different lengths
+    key = jax.random.key(seed)
+    for _ in range(steps):
+        key, sub = jax.random.split(key)
+        x = jax.random.normal(sub, (batch, s, config.dim), jnp.float32)
+        y, new_cache = _jit_step(layer, x, cache, pos, table, False)
+        y_dense, dense_cache = _jit_step(layer, x, cache, pos, table, True)
+        assert y.shape == (batch, s, config.dim)
+        _assert_close(y, y_dense)
+        np.testing.assert_array_equal(new_cache.kv, dense_cache.kv)
+        cache, pos = new_cache, pos + s
+    return int(pos.max())
+
+
+def test_v32_equals_dense_mla():
+    """V32 with an attention sink; decode steps and an MTP-style call of 3 tokens."""
+    config = jnnx.MLAConfig(**SMALL, index_topk=16, attn_sink=True)
+    assert _decode_steps(config, steps=4) < 16
+    assert _decode_steps(config, steps=3, s=3) < 16
+
+
+def test_model1_with_window_equals_dense_mla():
+    """MODEL1 (d_qk 512, V includes the RoPE dims) with a sliding window in the extra cache:
+    top-k plus the window cover the context."""
+    config = jnnx.MLAConfig(**SMALL, fmt="MODEL1", index_topk=8, window=6, attn_sink=True)
+    assert _decode_steps(config, steps=6) < 8 + 6
+
+
+def test_indexer_limits_attention_beyond_topk():
+    """With more context than top-k the layer attends to top-k tokens only (not dense)."""
+    config = jnnx.MLAConfig(**SMALL, index_topk=4)
+    layer = jnnx.MLAAttention(config, rngs=nnx.Rngs(1))
+    table, num_blocks = jnnx.make_block_table(2, 32, config.page_size)
+    cache = jnnx.init_layer_cache(config, num_blocks, 2)
+    x = jax.random.normal(jax.random.key(1), (2, 12, config.dim), jnp.float32)
+    pos = jnp.zeros((2,), jnp.int32)
+    # Fill 12 tokens through the dense path, then one decode step.
+    _, cache = _jit_step(layer, x[:, :12], cache, pos, table, True)
+    y, _ = _jit_step(layer, x[:, :1], cache, pos + 12, table, False)
+    y_dense, _ = _jit_step(layer, x[:, :1], cache, pos + 12, table, True)
+    assert np.max(np.abs(np.asarray(y) - np.asarray(y_dense))) > 1e-3
+
+
+def test_partition_specs():
+    config = jnnx.MLAConfig(**SMALL, attn_sink=True)
+    specs = nnx.get_partition_spec(nnx.state(jnnx.MLAAttention(config, rngs=nnx.Rngs(0)), nnx.Param))
+    assert specs["wq_b"]["kernel"].get_value() == P(None, "tp")
+    assert specs["w_uk"].get_value() == P("tp", None, None)
+    assert specs["w_uv"].get_value() == P("tp", None, None)
+    assert specs["wo"]["kernel"].get_value() == P("tp", None)
+    assert specs["sink"].get_value() == P("tp")
+    assert specs["wkv_a"]["kernel"].get_value() == P(None, None)
+
+
+def test_tensor_parallel_layer():
+    """Parameters placed by their partition specs on 4 CPU devices: the op runs 2 of the 8
+    heads per device on the replicated cache (no all-gather of q or of the cache)."""
+    devices = jax.devices("cpu")
+    if len(devices) < 4:
+        pytest.skip("needs 4 CPU devices")
+    mesh = Mesh(np.asarray(devices[:4]), ("tp",))
+    config = jnnx.MLAConfig(**SMALL, index_topk=16, attn_sink=True)
+    layer = jnnx.MLAAttention(config, rngs=nnx.Rngs(0))
+    table, num_blocks = jnnx.make_block_table(2, 32, config.page_size)
+    cache = jnnx.init_layer_cache(config, num_blocks, 2)
+    x = jax.random.normal(jax.random.key(2), (2, 1, config.dim), jnp.float32)
+    pos = jnp.asarray([3, 7], jnp.int32)
+    want, _ = _jit_step(layer, x, cache, pos, table, False)
+
+    graphdef, state = nnx.split(layer)
+    specs = nnx.get_partition_spec(state)
+    state = jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), state, specs)
+    replicated = NamedSharding(mesh, P())
+    args = jax.device_put((x, cache, pos, table), replicated)
+
+    def pure(state, x, cache, pos, table):
+        return nnx.merge(graphdef, state)(x, cache, pos, table)
+
+    compiled = jax.jit(pure).lower(state, *args).compile()
+    got, _ = compiled(state, *args)
+    _assert_close(got, want)
+    hlo = compiled.as_text()
+    decode = [line for line in hlo.splitlines() if 'custom_call_target="jsm_decode"' in line]
+    assert decode and all("bf16[2,1,2,576]" in line for line in decode), decode
+    gathered = [line for line in hlo.splitlines() if re.search(r"\ball-gather", line)]
+    assert not [line for line in gathered if "u8[" in line or ",576]" in line], gathered
