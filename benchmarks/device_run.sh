@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
+# Logs go to $OUT (the device tool brings them back); a short summary is printed last.
+#   STAGES="build smoke pytest bench sanitize" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/jsm_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STAGES=${STAGES:-"build smoke pytest bench sanitize"}
+SHAPES=${SHAPES:-"v32_h128_s2_b128_k2048 v32_h128_s2_b1_k2048 v32_h64_s2_b128_k2048 v32_h16_s2_b128_k2048 model1_h128_s2_b128_k128_x1024"}
+ITERS=${ITERS:-10}
+PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_gpu.py"}
+summary=()
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv 2>&1 | tail -1
+python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -1
+
+if has build; then
+  stamp build
+  if python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+    summary+=("build ok")
+  else
+    tail -40 "$OUT/build.log"; summary+=("build FAILED"); echo "${summary[@]}"; exit 1
+  fi
+  python3 -c 'import jax_sparse_mla as j; print(j.build_info())'
+  lib=$(ls build/*/libjsm_cuda.a | head -1)
+  { cuobjdump -res-usage "$lib" 2>&1 | grep -E "Function|REG|SHARED" ; \
+    echo "--- instruction mix of decode kernels"; \
+    cuobjdump -sass "$lib" | awk '/Function :/{f=$3} /decode_kernel/{d=1} {print}' | \
+      grep -oE "(HMMA|LDSM|LDGSTS|LDL|STL|BAR|HFMA2|PRMT)[.A-Z0-9_]*" | sort | uniq -c; } >"$OUT/sass.txt" 2>&1
+  grep -E "LDL|STL" "$OUT/sass.txt" && summary+=("SASS has local memory traffic")
+fi
+
+smoke_ok=1
+if has smoke; then
+  stamp smoke
+  timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" | grep -vE "^\s*$" | tail -30
+  line=$(grep SMOKE "$OUT/smoke.log" || echo "SMOKE crashed")
+  summary+=("$line")
+  [[ "$line" =~ SMOKE\ ([0-9]+)/([0-9]+) ]] && [[ ${BASH_REMATCH[1]} == ${BASH_REMATCH[2]} ]] || smoke_ok=0
+fi
+
+if has pytest; then
+  stamp pytest
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PYTEST_T:-270} python3 -m pytest $PYTEST_ARGS -q -n ${PYTEST_N:-6} --timeout 240 \
+    -p no:cacheprovider -rfE 2>&1 | tee "$OUT/pytest.log" | tail -25
+  summary+=("pytest: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -1)")
+fi
+
+if has bench; then
+  stamp bench
+  timeout ${BENCH_T:-150} python3 benchmarks/bench_decode.py --shapes $SHAPES --iters "$ITERS" $BENCH_ARGS --json "$OUT/bench.json" \
+    2>&1 | tee "$OUT/bench.log" | grep -E "^\|"
+  summary+=("bench: $(grep -c '^| ' "$OUT/bench.log") table lines")
+fi
+
+if has diag; then  # where the time goes: 1 = no gathers, 2 = no MMAs, 3 = neither (results wrong)
+  stamp diag
+  # The switch is compile-time (a shipped build never skips work): rebuild per mode, then back.
+  for m in 1 2 3; do
+    CMAKE_ARGS="-DCMAKE_CUDA_FLAGS=-DJSM_TIMING_EXPERIMENT=$m" python3 -m pip install -q --no-build-isolation \
+      --no-deps -e . >/dev/null 2>&1
+    timeout 90 python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} \
+      --no-xla --no-reference --iters 5 2>&1 | grep -E "^\| v|^\| m" | sed "s/^/mode $m: /" | tee -a "$OUT/bench.log"
+  done
+  python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1
+fi
+
+if has sanitize; then
+  stamp sanitize
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout ${SAN_T:-150} \
+    compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_smoke.py --sanitize \
+    >"$OUT/sanitize.log" 2>&1
+  tail -8 "$OUT/sanitize.log"
+  summary+=("memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1) / $(grep SMOKE "$OUT/sanitize.log")")
+fi
+
+stamp done
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,118 @@
+// jsm_combine on CUDA: merges the partial results of requests that the plan cut
+// into several pieces (SPEC §6), then applies the sink once.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/problem.h"
+#include "cuda/cuda_util.cuh"
+#include "handlers.h"
+
+namespace jsm {
+namespace cuda {
+namespace {
+
+constexpr int kCombineThreads = 256;  // one warp per (request, query row, head)
+
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(const float* __restrict__ out_accum, const float* __restrict__ lse_accum,
+                   const int32_t* __restrict__ num_splits, const float* __restrict__ attn_sink, int batch, int s_q,
+                   int h_q, bool has_sink, uint16_t* __restrict__ out, float* __restrict__ lse) {
+  const int lane = threadIdx.x & 31;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (kCombineThreads / 32) + (threadIdx.x >> 5);
+  const int64_t per_req = static_cast<int64_t>(s_q) * h_q;
+  if (item >= per_req * batch) return;
+  const int r = static_cast<int>(item / per_req);
+  const int rem = static_cast<int>(item - static_cast<int64_t>(r) * per_req);
+  const int s = rem / h_q;
+  const int h = rem - s * h_q;
+  const int first = num_splits[r];
+  const int pieces = num_splits[r + 1] - first;
+  if (pieces <= 1) return;  // written directly by the decode kernel
+
+  auto lse_of = [&](int k) { return lse_accum[(static_cast<int64_t>(first + k) * s_q + s) * h_q + h]; };
+
+  float mx = -INFINITY;
+  for (int k = lane; k < pieces; k += 32) mx = fmaxf(mx, lse_of(k));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+
+  const int64_t out_off = ((static_cast<int64_t>(r) * s_q + s) * h_q + h) * kDimV;
+  const int64_t lse_off = (static_cast<int64_t>(r) * h_q + h) * s_q + s;
+  if (mx == -INFINITY) {  // every piece empty
+    for (int c = lane; c < kDimV / 2; c += 32) reinterpret_cast<uint32_t*>(out + out_off)[c] = 0u;
+    if (lane == 0) lse[lse_off] = INFINITY;
+    return;
+  }
+  float sum = 0.f;
+  for (int k = lane; k < pieces; k += 32) sum += exp2f(lse_of(k) - mx);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float g = log2f(sum) + mx;
+
+  // Lane handles columns 4*lane + 128*i (i < 4): coalesced float4 reads.
+  float acc[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+  for (int k = 0; k < pieces; ++k) {
+    const float wk = exp2f(lse_of(k) - g);
+    const float4* src = reinterpret_cast<const float4*>(
+        out_accum + ((static_cast<int64_t>(first + k) * s_q + s) * h_q + h) * kDimV);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 v = src[lane + 32 * i];
+      acc[4 * i + 0] += wk * v.x;
+      acc[4 * i + 1] += wk * v.y;
+      acc[4 * i + 2] += wk * v.z;
+      acc[4 * i + 3] += wk * v.w;
+    }
+  }
+  const float lse_nat = g * 0.69314718055994531f;
+  float f = 1.f;
+  if (has_sink) f = 1.f / (1.f + expf(attn_sink[h] - lse_nat));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint2 packed;
+    packed.x = static_cast<uint32_t>(float_to_bf16_bits(acc[4 * i + 0] * f)) |
+               (static_cast<uint32_t>(float_to_bf16_bits(acc[4 * i + 1] * f)) << 16);
+    packed.y = static_cast<uint32_t>(float_to_bf16_bits(acc[4 * i + 2] * f)) |
+               (static_cast<uint32_t>(float_to_bf16_bits(acc[4 * i + 3] * f)) << 16);
+    reinterpret_cast<uint2*>(out + out_off)[lane + 32 * i] = packed;
+  }
+  if (lane == 0) lse[lse_off] = lse_nat;
+}
+
+ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer out_in, ffi::Buffer<ffi::F32> lse_in,
+                        ffi::Buffer<ffi::F32> out_accum, ffi::Buffer<ffi::F32> lse_accum,
+                        ffi::Buffer<ffi::S32> num_splits, ffi::Buffer<ffi::F32> attn_sink, bool has_sink,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+  CombineProblem p;
+  JSM_RETURN_IF_ERROR(make_combine_problem(out_in, lse_in, out_accum, lse_accum, num_splits, attn_sink, has_sink,
+                                           out, lse, &p));
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.s_q * p.h_q;
+  if (p.out_src != p.out) {
+    cudaError_t e = cudaMemcpyAsync(p.out, p.out_src, rows * kDimV * sizeof(uint16_t), cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return cuda_failure("combine: copying out", e);
+  }
+  if (p.lse_src != p.lse) {
+    cudaError_t e = cudaMemcpyAsync(p.lse, p.lse_src, rows * sizeof(float), cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return cuda_failure("combine: copying lse", e);
+  }
+  if (rows == 0) return ffi::Error::Success();
+  const int64_t warps_per_block = kCombineThreads / 32;
+  const int64_t blocks = (rows + warps_per_block - 1) / warps_per_block;
+  if (blocks > 0x7fffffffLL) return invalid("combine: problem too large");
+  combine_kernel<<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(
+      p.out_accum, p.lse_accum, p.num_splits, p.attn_sink, p.batch, p.s_q, p.h_q, p.has_sink, p.out, p.lse);
+  return check_launch("combine_kernel");
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace jsm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCombineCuda, jsm::cuda::combine_impl,
+                              jsm::bind_combine(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

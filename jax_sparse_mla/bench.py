@@ -1,0 +1,369 @@
+"""Timing of `sparse_mla_decode` against the pure-JAX paths and FlashMLA's published times.
+
+    python -m jax_sparse_mla.bench --shapes v32_h128_s2_b128 --iters 20
+    python benchmarks/bench_decode.py --shapes all --plot bench.png
+
+Inputs are built like FlashMLA's test generator: every request owns its own pages of the cache,
+scattered at random; each query row picks `topk` distinct random tokens of its request; every
+cache slot no valid entry points at holds NaN bytes; the sink is on. The plan is computed once.
+One timing is N calls inside one jitted function (the calls cycle through several sets of q and
+indices so that small shapes do not run out of L2), divided by N; the median over `--iters`
+repetitions is reported, with µs, TFLOP/s and GB/s per SPEC §7, and the ratio to two pure-JAX
+paths timed in the same run: `reference.sparse_mla_decode` (dequantizes the whole cache) and
+the gather-first path a JAX user writes (gather -> dequantize -> einsum -> softmax -> einsum).
+FlashMLA's time on an H200 (from shared/PERF.md) is printed beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sparse_mla import formats, ops, reference
+from jax_sparse_mla.formats import KVFormat
+
+__all__ = ["Shape", "PRESETS", "main", "run_shape"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    fmt: str  # "V32" or "MODEL1"
+    h_q: int
+    s_q: int
+    b: int
+    topk: int
+    page: int = 64
+    s_k: int = 32768  # tokens of each request in the main cache
+    extra_topk: int = 0
+    extra_page: int = 64
+    extra_s_k: int = 0
+    flashmla_us: float | None = None  # shared/PERF.md, H200
+    perf_xla_us: float | None = None  # shared/PERF.md, the pure-JAX path
+
+    @property
+    def name(self) -> str:
+        n = f"{self.fmt.lower()}_h{self.h_q}_s{self.s_q}_b{self.b}_k{self.topk}"
+        return n + (f"_x{self.extra_topk}" if self.extra_topk else "")
+
+
+def _v32(h_q, s_q, b, topk=2048, fm=None, xla=None, s_k=None):
+    return Shape("V32", h_q, s_q, b, topk, s_k=s_k or max(32768, 4 * topk), flashmla_us=fm, perf_xla_us=xla)
+
+
+def _m1(h_q, s_q, b, extra_topk, fm=None, xla=None):
+    return Shape("MODEL1", h_q, s_q, b, 128, page=256, s_k=8192, extra_topk=extra_topk, extra_page=64,
+                 extra_s_k=4 * extra_topk, flashmla_us=fm, perf_xla_us=xla)
+
+
+_ALL = [
+    _v32(128, 2, 2, fm=23.5),
+    _v32(128, 2, 64, fm=188.3, xla=831),
+    _v32(128, 2, 74, fm=227.6),
+    _v32(128, 2, 128, fm=366.0, xla=1551),
+    _v32(128, 2, 1, fm=21.7),
+    _v32(128, 4, 128, fm=723.4, xla=3025),
+    _v32(128, 1, 1, fm=22.4, xla=168),
+    _v32(128, 1, 32, fm=67.9),
+    _v32(128, 1, 64, fm=100.4),
+    _v32(128, 1, 128, fm=189.5, xla=818),
+    _v32(64, 1, 64, fm=80.3, xla=387),
+    _v32(64, 1, 128, fm=120.8),
+    _v32(64, 2, 1, fm=23.0),
+    _v32(64, 2, 64, fm=121.0),
+    _v32(64, 2, 128, fm=230.9, xla=1374),
+    # tensor-parallel shards of V3.2 (FlashMLA pads these to 64 heads)
+    _v32(32, 2, 128, fm=230.9),
+    _v32(16, 2, 128, fm=230.9),
+    _v32(32, 2, 1),
+    _v32(16, 2, 1),
+    _m1(64, 2, 64, 512, fm=52.9),
+    _m1(64, 2, 128, 512, fm=95.0),
+    _m1(64, 2, 256, 512, fm=177.2),
+    _m1(128, 2, 64, 1024, fm=109.2),
+    _m1(128, 2, 128, 1024, fm=208.0),
+    _m1(128, 2, 256, 1024, fm=404.9),
+    _v32(128, 2, 148, topk=16384, fm=3111.8),
+    Shape("MODEL1", 128, 2, 148, 16384, page=64, s_k=65536, flashmla_us=2835.8),
+]
+PRESETS = {s.name: s for s in _ALL}
+# A quick default: the shape of the 3x bar, plus one small and one MODEL1 shape.
+DEFAULT_SHAPES = ["v32_h128_s2_b128_k2048", "v32_h128_s2_b1_k2048", "model1_h128_s2_b128_k128_x1024"]
+
+
+# ---- inputs -----------------------------------------------------------------------------------
+
+def _paged_list(rng, b, s_q, topk, s_k, page):
+    """Page tables and per-row distinct token picks; returns global indices and the page count."""
+    pages_per_req = -(-s_k // page)
+    num_blocks = b * pages_per_req
+    table = rng.permutation(num_blocks).reshape(b, pages_per_req)
+    lens = np.clip(rng.integers(s_k - s_k // 8, s_k + 1, size=b), topk, pages_per_req * page)
+    idx = np.empty((b, s_q, topk), np.int64)
+    for i in range(b):
+        for s in range(s_q):
+            tok = rng.choice(lens[i], size=topk, replace=False)
+            idx[i, s] = table[i, tok // page] * page + tok % page
+    return idx.astype(np.int32), num_blocks
+
+
+def _cache(key, fmt: KVFormat, num_blocks, page, used_slots):
+    """Random keys quantized on the device; every slot not in `used_slots` is NaN bytes."""
+    @jax.jit
+    def build(key, used):
+        keys = jax.random.normal(key, (num_blocks, page, fmt.d_qk), jnp.float32)
+        keys = (keys * jnp.exp(jax.random.uniform(key, (num_blocks, page, 1), minval=-1.0, maxval=1.0)))
+        rows = formats.quantize_tokens(keys.astype(jnp.bfloat16), fmt)
+        rows = jnp.where(used.reshape(num_blocks, page, 1), rows, jnp.uint8(0xFF))
+        return formats.rows_to_cache(rows, fmt)
+
+    used = np.zeros(num_blocks * page, bool)
+    used[used_slots] = True
+    return build(key, jnp.asarray(used))
+
+
+@dataclasses.dataclass
+class Inputs:
+    qs: list
+    idxs: list
+    kv: jax.Array
+    extra_idxs: list | None
+    extra_kv: jax.Array | None
+    sink: jax.Array
+    distinct_tokens: float  # per call, averaged over the sets
+
+
+def make_inputs(shape: Shape, sets: int, seed: int = 0) -> Inputs:
+    fmt = KVFormat.coerce(shape.fmt)
+    rng = np.random.default_rng(seed)
+    key = jax.random.key(seed)
+    lists, extra_lists = [], []
+    for _ in range(sets):
+        idx, nb = _paged_list(rng, shape.b, shape.s_q, shape.topk, shape.s_k, shape.page)
+        lists.append(idx)
+        if shape.extra_topk:
+            eidx, enb = _paged_list(rng, shape.b, shape.s_q, shape.extra_topk, shape.extra_s_k, shape.extra_page)
+            extra_lists.append(eidx)
+    # One cache (the tables above all have the same block count); pages differ per set.
+    kv = _cache(key, fmt, nb, shape.page, np.concatenate([x.reshape(-1) for x in lists]))
+    extra_kv = None
+    if shape.extra_topk:
+        extra_kv = _cache(jax.random.fold_in(key, 1), fmt, enb, shape.extra_page,
+                          np.concatenate([x.reshape(-1) for x in extra_lists]))
+    qs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (shape.b, shape.s_q, shape.h_q, fmt.d_qk),
+                            jnp.float32).astype(jnp.bfloat16) for i in range(sets)]
+    sink = jnp.asarray(rng.normal(1.0, 1.0, size=shape.h_q).astype(np.float32))
+    distinct = np.mean([np.unique(x).size for x in lists])
+    if shape.extra_topk:
+        distinct += np.mean([np.unique(x).size for x in extra_lists])
+    return Inputs(qs=[jnp.asarray(q) for q in qs], idxs=[jnp.asarray(x) for x in lists], kv=kv,
+                  extra_idxs=[jnp.asarray(x) for x in extra_lists] if shape.extra_topk else None,
+                  extra_kv=extra_kv, sink=sink, distinct_tokens=float(distinct))
+
+
+# ---- the pure-JAX gather-first path -------------------------------------------------------------
+
+def _gather_rows(kv, idx, fmt: KVFormat):
+    nb, ps = kv.shape[0], kv.shape[1]
+    n = nb * ps
+    safe = jnp.clip(idx, 0, n - 1)
+    if fmt is KVFormat.V32:
+        return kv.reshape(n, fmt.bytes_per_token)[safe]
+    flat = kv.reshape(nb, ps * fmt.bytes_per_token)
+    region_a = flat[:, : ps * 576].reshape(n, 576)
+    region_b = flat[:, ps * 576 :].reshape(n, 8)
+    return jnp.concatenate([region_a[safe], region_b[safe]], axis=-1)
+
+
+def xla_gather_decode(q, kv, idx, sink, extra_kv=None, extra_idx=None, *, sm_scale):
+    """gather -> dequantize -> einsum -> softmax -> einsum, bf16 operands, fp32 accumulation."""
+    fmt = KVFormat.from_d_qk(q.shape[-1])
+    keys, valid = [], []
+    for cache, ix in ((kv, idx), (extra_kv, extra_idx)):
+        if cache is None:
+            continue
+        keys.append(formats.dequantize_tokens(_gather_rows(cache, ix, fmt), fmt))
+        valid.append((ix >= 0) & (ix < cache.shape[0] * cache.shape[1]))
+    k = jnp.concatenate(keys, axis=2)
+    ok = jnp.concatenate(valid, axis=2)
+    k = jnp.where(ok[..., None], k, 0)
+    z = jnp.einsum("bshd,bsnd->bshn", q, k, preferred_element_type=jnp.float32) * sm_scale
+    z = jnp.where(ok[:, :, None, :], z, -jnp.inf)
+    m = jnp.max(z, axis=-1, keepdims=True)
+    p = jnp.exp(z - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    lse = (m + jnp.log(denom))[..., 0]
+    out = jnp.einsum("bshn,bsnd->bshd", (p / denom).astype(jnp.bfloat16), k[..., :512],
+                     preferred_element_type=jnp.float32)
+    out = out / (1.0 + jnp.exp(sink[None, None, :] - lse))[..., None]
+    return out.astype(jnp.bfloat16), jnp.transpose(lse, (0, 2, 1))
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+def _time(fn, args, iters: int, calls: int) -> float:
+    """Median µs per call of `fn(*args)` that makes `calls` calls."""
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(samples)
+
+
+def cost(shape: Shape, distinct_tokens: float):
+    fmt = KVFormat.coerce(shape.fmt)
+    n = shape.b * shape.s_q * (shape.topk + shape.extra_topk)
+    flop = 2.0 * shape.h_q * n * (fmt.d_qk + 512)
+    token_bytes = 656 if fmt is KVFormat.V32 else 576
+    nbytes = (shape.b * shape.s_q * shape.h_q * (fmt.d_qk + 512) * 2) + distinct_tokens * token_bytes
+    return flop, nbytes
+
+
+def _sets_for(shape: Shape) -> int:
+    """Enough q/index sets that consecutive calls touch more than twice the 60 MB L2."""
+    per_call = shape.b * shape.s_q * (shape.topk + shape.extra_topk) * 656
+    return int(min(32, max(2, math.ceil(120e6 / per_call))))
+
+
+def run_shape(shape: Shape, iters: int = 20, xla: bool = True, reference_path: bool = True) -> dict:
+    sets = _sets_for(shape)
+    inp = make_inputs(shape, sets)
+    fmt = KVFormat.coerce(shape.fmt)
+    sm_scale = fmt.d_qk ** -0.5
+    extra = shape.extra_topk > 0
+    plan = jax.jit(lambda q, i, e: ops.plan_decode(q, i, extra_indices=e))(
+        inp.qs[0], inp.idxs[0], inp.extra_idxs[0] if extra else None)
+    jax.block_until_ready(plan)
+
+    def one(q, idx, eidx, kv, ekv, sink, plan):
+        kw = dict(extra_kv_cache=ekv, extra_indices=eidx) if extra else {}
+        return ops.sparse_mla_decode(q, kv, idx, sm_scale=sm_scale, attn_sink=sink, plan=plan, **kw)
+
+    @jax.jit
+    def ours(qs, idxs, eidxs, kv, ekv, sink, plan):
+        return [one(qs[i], idxs[i], eidxs[i] if extra else None, kv, ekv, sink, plan) for i in range(len(qs))]
+
+    eidxs = inp.extra_idxs if extra else [None] * sets
+    args = (inp.qs, inp.idxs, eidxs, inp.kv, inp.extra_kv, inp.sink, plan)
+    us = _time(ours, args, iters, sets)
+    flop, nbytes = cost(shape, inp.distinct_tokens)
+    row = dict(shape=shape.name, fmt=shape.fmt, h_q=shape.h_q, s_q=shape.s_q, b=shape.b, topk=shape.topk,
+               extra_topk=shape.extra_topk, us=us, tflops=flop / us * 1e-6, gbs=nbytes / us * 1e-3,
+               flashmla_us=shape.flashmla_us, perf_xla_us=shape.perf_xla_us, sets=sets)
+
+    if xla:
+        @jax.jit
+        def gather_path(q, idx, eidx, kv, ekv, sink):
+            return xla_gather_decode(q, kv, idx, sink, ekv if extra else None, eidx if extra else None,
+                                     sm_scale=sm_scale)
+
+        try:
+            row["xla_gather_us"] = _time(gather_path, (inp.qs[0], inp.idxs[0], eidxs[0], inp.kv, inp.extra_kv,
+                                                       inp.sink), max(3, iters // 4), 1)
+        except Exception as e:  # e.g. out of memory on the largest shapes
+            row["xla_gather_us"] = None
+            row["xla_gather_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if reference_path:
+        @jax.jit
+        def ref_path(q, idx, eidx, kv, ekv, sink):
+            kw = dict(extra_kv_cache=ekv, extra_indices=eidx) if extra else {}
+            return reference.sparse_mla_decode(q, kv, idx, sm_scale=sm_scale, attn_sink=sink, **kw)
+
+        try:
+            row["xla_ref_us"] = _time(ref_path, (inp.qs[0], inp.idxs[0], eidxs[0], inp.kv, inp.extra_kv, inp.sink),
+                                      max(3, iters // 4), 1)
+        except Exception as e:
+            row["xla_ref_us"] = None
+            row["xla_ref_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    del inp, args, plan
+    gc.collect()
+    return row
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows) -> str:
+    head = ("| shape | ours µs | TFLOP/s | GB/s | XLA gather µs | x | XLA ref µs | x | FlashMLA µs | ours/FlashMLA |"
+            "\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        xg, xr, fm = r.get("xla_gather_us"), r.get("xla_ref_us"), r.get("flashmla_us")
+        lines.append(
+            f"| {r['shape']} | {r['us']:.1f} | {r['tflops']:.0f} | {r['gbs']:.0f} | {_fmt(xg, '.1f')} | "
+            f"{_fmt(xg / r['us'] if xg else None, '.2f')} | {_fmt(xr, '.1f')} | "
+            f"{_fmt(xr / r['us'] if xr else None, '.2f')} | {_fmt(fm, '.1f')} | "
+            f"{_fmt(r['us'] / fm if fm else None, '.2f')} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["shape"] for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(rows)), 5))
+    series = [("jax_sparse_mla", [r["us"] for r in rows]),
+              ("XLA gather-first", [r.get("xla_gather_us") or np.nan for r in rows]),
+              ("FlashMLA (PERF.md)", [r.get("flashmla_us") or np.nan for r in rows])]
+    for k, (label, vals) in enumerate(series):
+        ax.bar(x + (k - 1) * 0.27, vals, 0.27, label=label)
+    ax.set_xticks(x, names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("µs per call")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES,
+                    help="preset names (see --list) or 'all'")
+    ap.add_argument("--iters", type=int, default=20, help="timed repetitions per shape (median reported)")
+    ap.add_argument("--no-xla", action="store_true", help="skip the gather-first pure-JAX path")
+    ap.add_argument("--no-reference", action="store_true", help="skip reference.sparse_mla_decode")
+    ap.add_argument("--plot", metavar="PATH", help="write a PNG bar chart")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--list", action="store_true", help="list the presets and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name, s in PRESETS.items():
+            print(name, f"FlashMLA {s.flashmla_us} µs" if s.flashmla_us else "")
+        return 0
+    names = list(PRESETS) if args.shapes == ["all"] else args.shapes
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown:
+        ap.error(f"unknown shapes {unknown}; see --list")
+    print(f"devices: {jax.devices()}  jax {jax.__version__}")
+    rows = []
+    for n in names:
+        row = run_shape(PRESETS[n], iters=args.iters, xla=not args.no_xla, reference_path=not args.no_reference)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
