@@ -312,6 +312,8 @@ class _Static:
     extra_page_size: int
     has_sink: bool
     has_extra: bool
+    # attn_sink is [b, h_q] (one row per request) instead of [h_q]: vmap of a mapped sink.
+    sink_per_request: bool
     # The worker count of a plan the caller passed (its arrays are then core operands);
     # None: the core plans for the shapes it sees (per shard, per folded batch).
     plan_parts: int | None
@@ -330,7 +332,7 @@ def _transformable_decode(args: dict, *, user_plan: bool):
     static = _Static(
         sm_scale=float(args["sm_scale"]), fmt=args["fmt"], page_size=int(args["page_size"]),
         extra_page_size=int(args["extra_page_size"]), has_sink=bool(args["has_sink"]),
-        has_extra=_checks._shape(args["extra_indices"])[2] > 0,
+        has_extra=_checks._shape(args["extra_indices"])[2] > 0, sink_per_request=False,
         plan_parts=plan.num_parts if user_plan else None)
     ops = [args[name] for name in _CORE_OPERANDS]
     ops[1], ops[4] = _rank3(ops[1]), _rank3(ops[4])
@@ -393,7 +395,7 @@ def _stack_caches(cache, indices, n: int, name: str):
 def _fold_batch(static: _Static, n: int, in_batched, ops):
     """vmap rule: every mapped dim folds into the request batch, one decode runs, and the
     results unfold. A mapped cache is supported by stacking the n caches into one (see
-    `_stack_caches`); a mapped attn_sink is applied after the kernel (SPEC 4.3)."""
+    `_stack_caches`); a mapped attn_sink becomes one sink row per folded request."""
     ops = list(ops)
     batched = list(in_batched)
     if not any(batched[:8]):
@@ -427,33 +429,23 @@ def _fold_batch(static: _Static, n: int, in_batched, ops):
 
     q, idx, tl, eidx, etl = (fold(x) for x in (q, idx, tl, eidx, etl))
     inner = static
-    if b_sink:
-        inner = dataclasses.replace(static, has_sink=False)
-        sink_rows = jnp.repeat(sink, b, axis=0)  # [n*b, h_q]
-        sink = jnp.zeros(sink.shape[1:], jnp.float32)
+    if static.sink_per_request:  # already [b, h_q]: folds like q
+        sink = fold(per_element(sink, b_sink))
+    elif b_sink:  # [n, h_q] -> one row per folded request
+        inner = dataclasses.replace(static, sink_per_request=True)
+        sink = jnp.repeat(sink, b, axis=0)
     folded = [q, kv, idx, tl, ekv, eidx, etl, sink]
     if static.plan_parts is not None:
         plan = _plan_for(static, q, idx, tl, eidx, etl)
         folded += [plan.sched, plan.num_splits]
     out, lse = _batchable(inner)(*folded)
-    if b_sink:
-        out = _apply_sink(out, lse, sink_rows)
     return (out.reshape(n, b, *out.shape[1:]), lse.reshape(n, b, *lse.shape[1:])), (True, True)
-
-
-def _apply_sink(out, lse, sink_rows):
-    """SPEC 4.3 on finished results: out *= 1 / (1 + exp(sink - lse)) = sigmoid(lse - sink).
-    Empty rows (lse = +inf) stay 0 whatever the sink."""
-    factor = jax.nn.sigmoid(lse - sink_rows[:, :, None])  # [b, h_q, s_q]
-    factor = jnp.where(lse == jnp.inf, 1.0, factor)
-    factor = jnp.transpose(factor, (0, 2, 1))[..., None]  # [b, s_q, h_q, 1]
-    return (out.astype(jnp.float32) * factor).astype(out.dtype)
 
 
 # --- sharding -----------------------------------------------------------------------------------
 
 # Shardy rule: b (requests) and h (heads) may be split; every other factor stays replicated.
-_RULE_OPERANDS = "b s h d, n p c, b s k, b, m r e, b s j, b, h"
+_RULE_OPERANDS = "b s h d, n p c, b s k, b, m r e, b s j, b, "  # + the sink's factors
 _RULE_PLAN = ", w f, t"
 _RULE_RESULTS = "b s h v, b h s"
 _SPLIT_FACTORS = ("b", "h")
@@ -475,7 +467,8 @@ def _partitionable(static: _Static):
 
     wrapped = custom_partitioning(decode)
     with_plan = static.plan_parts is not None
-    rule = _RULE_OPERANDS + (_RULE_PLAN if with_plan else "") + " -> " + _RULE_RESULTS
+    sink = "b h" if static.sink_per_request else "h"
+    rule = _RULE_OPERANDS + sink + (_RULE_PLAN if with_plan else "") + " -> " + _RULE_RESULTS
     wrapped.def_partition(
         partition=functools.partial(_partition, static),
         infer_sharding_from_operands=functools.partial(_infer_shardings, static),
@@ -508,35 +501,36 @@ def _entry(axes: tuple):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def _choose_split(mesh, arg_shapes, result_shapes):
-    q, out = arg_shapes[0], result_shapes[0]
+def _choose_split(static: _Static, mesh, arg_shapes, result_shapes):
+    q, out, sink = arg_shapes[0], result_shapes[0], arg_shapes[7]
     b, _, h, _ = q.shape
+    sink_h = 1 if static.sink_per_request else 0
     b_axes = _split_axes(mesh, b, _spec_axes(q.sharding, 0), _spec_axes(out.sharding, 0),
                          _spec_axes(arg_shapes[2].sharding, 0))
     h_axes = _split_axes(mesh, h, _spec_axes(q.sharding, 2), _spec_axes(out.sharding, 2),
-                         _spec_axes(arg_shapes[7].sharding, 0))
+                         _spec_axes(sink.sharding, sink_h))
     if set(h_axes) & set(b_axes):
         h_axes = ()
     return b_axes, h_axes
 
 
-def _shardings(mesh, b_axes, h_axes, with_plan: bool):
+def _shardings(static: _Static, mesh, b_axes, h_axes):
     bb, hh = _entry(b_axes), _entry(h_axes)
 
     def ns(*spec):
         return NamedSharding(mesh, PartitionSpec(*spec))
 
-    args = [ns(bb, None, hh, None), ns(), ns(bb, None, None), ns(bb), ns(), ns(bb, None, None), ns(bb), ns(hh)]
-    if with_plan:
+    sink = ns(bb, hh) if static.sink_per_request else ns(hh)
+    args = [ns(bb, None, hh, None), ns(), ns(bb, None, None), ns(bb), ns(), ns(bb, None, None), ns(bb), sink]
+    if static.plan_parts is not None:
         args += [ns(), ns()]
     results = (ns(bb, None, hh, None), ns(bb, hh, None))
     return tuple(args), results
 
 
 def _partition(static: _Static, mesh, arg_shapes, result_shape):
-    b_axes, h_axes = _choose_split(mesh, arg_shapes, result_shape)
-    with_plan = static.plan_parts is not None
-    arg_shardings, result_shardings = _shardings(mesh, b_axes, h_axes, with_plan)
+    b_axes, h_axes = _choose_split(static, mesh, arg_shapes, result_shape)
+    arg_shardings, result_shardings = _shardings(static, mesh, b_axes, h_axes)
 
     # A plan covers the requests it was made for: with the batch split each shard plans its
     # own requests. A head split keeps a passed plan (any plan for these requests is valid).
@@ -548,8 +542,8 @@ def _partition(static: _Static, mesh, arg_shapes, result_shape):
 
 def _infer_shardings(static: _Static, mesh, arg_shapes, result_shape):
     """Result shardings for the GSPMD partitioner (`jax_use_shardy_partitioner` off)."""
-    b_axes, h_axes = _choose_split(mesh, arg_shapes, result_shape)
-    return _shardings(mesh, b_axes, h_axes, static.plan_parts is not None)[1]
+    b_axes, h_axes = _choose_split(static, mesh, arg_shapes, result_shape)
+    return _shardings(static, mesh, b_axes, h_axes)[1]
 
 
 # --- jax.export -------------------------------------------------------------------------------

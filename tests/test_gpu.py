@@ -24,6 +24,7 @@ from tests.utils import (
     assert_lse_close,
     assert_out_close,
     conformance_files,
+    conformance_kwargs,
     load_conformance,
     make_case,
 )
@@ -138,11 +139,7 @@ def _check(case, plan=None, *, raw=False):
 @pytest.mark.parametrize("path", conformance_files(), ids=lambda p: p.stem)
 def test_conformance(path):
     v = load_conformance(path)
-    kwargs = dict(sm_scale=v["sm_scale"], topk_length=v["topk_length"], attn_sink=v["attn_sink"])
-    if v["extra_kv"] is not None:
-        kwargs.update(extra_kv_cache=v["extra_kv"], extra_indices=v["extra_indices"],
-                      extra_topk_length=v["extra_topk_length"])
-    args = _on(dict(q=v["q"], kv_cache=v["kv"], indices=v["indices"], **kwargs), GPU)
+    args = _on(conformance_kwargs(v), GPU)
     out, lse = _decode(**args)
     assert_out_close(_np(out), _np(v["out"]))
     assert_lse_close(np.asarray(lse), np.asarray(v["lse"]))

@@ -12,6 +12,7 @@ from tests.utils import (
     assert_lse_close,
     assert_out_close,
     conformance_files,
+    conformance_kwargs,
     load_conformance,
     make_case,
 )
@@ -41,11 +42,7 @@ def _rng(request):
 @pytest.mark.parametrize("path", conformance_files(), ids=lambda p: p.stem)
 def test_conformance(path):
     v = load_conformance(path)
-    kwargs = dict(sm_scale=v["sm_scale"], topk_length=v["topk_length"], attn_sink=v["attn_sink"])
-    if v["extra_kv"] is not None:
-        kwargs.update(extra_kv_cache=v["extra_kv"], extra_indices=v["extra_indices"],
-                      extra_topk_length=v["extra_topk_length"])
-    out, lse = jax.jit(jsm.sparse_mla_decode, static_argnames=("sm_scale",))(v["q"], v["kv"], v["indices"], **kwargs)
+    out, lse = _decode(**conformance_kwargs(v))
     assert_out_close(np.asarray(out.astype(jnp.float32)), np.asarray(v["out"].astype(jnp.float32)))
     assert_lse_close(np.asarray(lse), np.asarray(v["lse"]))
 

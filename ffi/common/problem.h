@@ -99,7 +99,8 @@ struct DecodeProblem {
   const uint8_t* extra_kv;
   const int32_t* extra_indices;      // [b, s_q, extra_topk]
   const int32_t* extra_topk_length;  // [b]
-  const float* attn_sink;            // [h_q]
+  const float* attn_sink;            // [h_q] or [b, h_q]
+  int64_t sink_stride;               // 0 or h_q (see check_sink)
   const int32_t* sched;              // [num_parts, 8]
   const int32_t* num_splits;         // [b + 1]
   uint16_t* out;                     // bf16 bits [b, s_q, h_q, 512]
@@ -136,6 +137,22 @@ ffi::Error expect_dims(const char* name, const Buf& buf, std::initializer_list<i
     i = 0;
     for (int64_t w : want) ws += (i++ ? ", " : "") + std::to_string(w);
     return invalid(std::string(name) + ": expected shape " + ws + "], got " + dims_str(d));
+  }
+  return ffi::Error::Success();
+}
+
+// attn_sink is [h_q] (one sink per head, the public API) or [b, h_q] (per request, which
+// vmap uses when the sink itself is mapped). Sink of request r, head h: sink[r * stride + h].
+template <typename Buf>
+ffi::Error check_sink(const Buf& sink, int64_t b, int64_t h, int64_t* stride) {
+  auto d = sink.dimensions();
+  if (d.size() == 1 && d[0] == h) {
+    *stride = 0;
+  } else if (d.size() == 2 && d[0] == b && d[1] == h) {
+    *stride = h;
+  } else {
+    return invalid("attn_sink: expected shape [" + std::to_string(h) + "] or [" + std::to_string(b) + ", " +
+                   std::to_string(h) + "], got " + dims_str(d));
   }
   return ffi::Error::Success();
 }
@@ -178,7 +195,7 @@ inline ffi::Error make_decode_problem(
   JSM_RETURN_IF_ERROR(expect_dims("extra_indices", extra_indices, {b, s, p->extra_topk}));
   JSM_RETURN_IF_ERROR(expect_dims("topk_length", topk_length, {b}));
   JSM_RETURN_IF_ERROR(expect_dims("extra_topk_length", extra_topk_length, {b}));
-  JSM_RETURN_IF_ERROR(expect_dims("attn_sink", attn_sink, {h}));
+  JSM_RETURN_IF_ERROR(check_sink(attn_sink, b, h, &p->sink_stride));
   JSM_RETURN_IF_ERROR(expect_dims("num_splits", num_splits, {b + 1}));
   JSM_RETURN_IF_ERROR(expect_dims("lse", *lse, {b, h, s}));
   JSM_RETURN_IF_ERROR(expect_dims("out_accum", *out_accum, {b + p->num_parts, s, h, kDimV}));
@@ -226,6 +243,7 @@ struct CombineProblem {
   const float* lse_accum;
   const int32_t* num_splits;
   const float* attn_sink;
+  int64_t sink_stride;
 };
 
 inline ffi::Error make_combine_problem(ffi::AnyBuffer out_in, ffi::Buffer<ffi::F32> lse_in,
@@ -248,7 +266,7 @@ inline ffi::Error make_combine_problem(ffi::AnyBuffer out_in, ffi::Buffer<ffi::F
   JSM_RETURN_IF_ERROR(expect_dims("lse_accum", lse_accum, {b + p->num_parts, s, h}));
   JSM_RETURN_IF_ERROR(expect_dims("lse", *lse, {b, h, s}));
   JSM_RETURN_IF_ERROR(expect_dims("num_splits", num_splits, {b + 1}));
-  JSM_RETURN_IF_ERROR(expect_dims("attn_sink", attn_sink, {h}));
+  JSM_RETURN_IF_ERROR(check_sink(attn_sink, b, h, &p->sink_stride));
   // XLA aliases out/lse to operands 0/1; if it ever does not, handlers copy first.
   p->out_src = reinterpret_cast<const uint16_t*>(out_in.untyped_data());
   p->lse_src = lse_in.typed_data();

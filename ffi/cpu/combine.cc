@@ -54,7 +54,7 @@ ffi::Error CombineCpu(ffi::AnyBuffer out_in, ffi::Buffer<ffi::F32> lse_in, ffi::
         }
         const float lse_nat = g / kLog2e;
         float scale = 1.f;
-        if (p.has_sink) scale = 1.f / (1.f + std::exp(p.attn_sink[h] - lse_nat));
+        if (p.has_sink) scale = 1.f / (1.f + std::exp(p.attn_sink[r * p.sink_stride + h] - lse_nat));
         for (int d = 0; d < kDimV; ++d) o[d] = float_to_bf16_bits(acc[d] * scale);
         *l = lse_nat;
       }

@@ -120,7 +120,7 @@ ffi::Error DecodeCpu(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> 
             continue;
           }
           float scale = 1.f;
-          if (p.has_sink && l != kInf) scale = 1.f / (1.f + std::exp(p.attn_sink[h] - l));
+          if (p.has_sink && l != kInf) scale = 1.f / (1.f + std::exp(p.attn_sink[r * p.sink_stride + h] - l));
           uint16_t* dst = p.out + ((int64_t{r} * p.s_q + s) * p.h_q + h) * kDimV;
           for (int d = 0; d < kDimV; ++d) dst[d] = float_to_bf16_bits(o[d] * scale);
           p.lse[(int64_t{r} * p.h_q + h) * p.s_q + s] = l;

@@ -18,7 +18,7 @@ constexpr int kCombineThreads = 256;  // one warp per (request, query row, head)
 
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float* __restrict__ out_accum, const float* __restrict__ lse_accum,
-                   const int32_t* __restrict__ num_splits, const float* __restrict__ attn_sink, int batch, int s_q,
+                   const int32_t* __restrict__ num_splits, const float* __restrict__ attn_sink, int64_t sink_stride, int batch, int s_q,
                    int h_q, bool has_sink, uint16_t* __restrict__ out, float* __restrict__ lse) {
   const int lane = threadIdx.x & 31;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (kCombineThreads / 32) + (threadIdx.x >> 5);
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   const float lse_nat = g * 0.69314718055994531f;
   float f = 1.f;
-  if (has_sink) f = 1.f / (1.f + expf(attn_sink[h] - lse_nat));
+  if (has_sink) f = 1.f / (1.f + expf(attn_sink[r * sink_stride + h] - lse_nat));
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     uint2 packed;
@@ -105,7 +105,8 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer out_in, ffi::Buffer<
   const int64_t blocks = (rows + warps_per_block - 1) / warps_per_block;
   if (blocks > 0x7fffffffLL) return invalid("combine: problem too large");
   combine_kernel<<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(
-      p.out_accum, p.lse_accum, p.num_splits, p.attn_sink, p.batch, p.s_q, p.h_q, p.has_sink, p.out, p.lse);
+      p.out_accum, p.lse_accum, p.num_splits, p.attn_sink, p.sink_stride, p.batch, p.s_q, p.h_q, p.has_sink, p.out,
+      p.lse);
   return check_launch("combine_kernel");
 }
 

@@ -80,6 +80,7 @@ struct Params {
   const int32_t* extra_indices;
   const int32_t* extra_topk_length;
   const float* attn_sink;
+  int64_t sink_stride;  // 0: one sink per head; h_q: per request
   const int32_t* sched;
   const int32_t* num_splits;
   uint16_t* out;
@@ -615,7 +616,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
           if (pieces == 1) {
             const float lse_nat = empty ? INFINITY : (log2f(l) + m) * kLn2;
             float f = inv;
-            if (p.has_sink && !empty) f *= 1.f / (1.f + expf(p.attn_sink[h] - lse_nat));
+            if (p.has_sink && !empty) f *= 1.f / (1.f + expf(p.attn_sink[r * p.sink_stride + h] - lse_nat));
             uint16_t* dst = p.out + ((static_cast<int64_t>(r) * p.s_q + s) * p.h_q + h) * kDimV + 64 * warp + 2 * c4;
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
@@ -670,6 +671,7 @@ ffi::Error launch(const DecodeProblem& dp, cudaStream_t stream) {
   p.extra_indices = dp.extra_indices;
   p.extra_topk_length = dp.extra_topk_length;
   p.attn_sink = dp.attn_sink;
+  p.sink_stride = dp.sink_stride;
   p.sched = dp.sched;
   p.num_splits = dp.num_splits;
   p.out = dp.out;
