@@ -183,9 +183,12 @@ def run(args: argparse.Namespace) -> dict:
     attn_time = _time(attention_only, q, kv, indices)
     stats = dict(
         platform=platform, devices=args.tp, batch=b, layers=args.layers, heads=args.heads,
+        cache=f"{fmt.name} FP8 paged, page {args.page_size}, top-k {args.topk}, "
+              f"{args.context} + {args.steps} tokens per request",
         tokens_per_s=b / step_time, step_ms=step_time * 1e3,
         attention_ms=attn_time * 1e3, attention_share=attn_time / step_time,
-        compile_s=compile_time, first_step_s=first_step, op_heads_per_device=_heads(step.as_text()), max_rel_logit_error=max(errors) if errors else float("nan"),
+        compile_s=compile_time, first_step_s=first_step, op_heads_per_device=_heads(step.as_text()),
+        max_rel_logit_error=max(errors) if errors else float("nan"),
         argmax_agreement=float(np.mean(agree)) if agree else float("nan"), checked_steps=len(errors),
         generated=np.stack(generated, axis=1) if generated else np.zeros((b, 0), np.int32))
     return stats
@@ -195,6 +198,7 @@ def report(stats: dict) -> None:
     lines = [
         ("device", f"{stats['platform']} x{stats['devices']}"),
         ("model", f"{stats['layers']} layers, {stats['heads']} heads, batch {stats['batch']}"),
+        ("cache", stats["cache"]),
         ("compile", f"{stats['compile_s']:.2f} s (first step {1e3 * stats['first_step_s']:.1f} ms)"),
         ("attention op heads per device", str(stats["op_heads_per_device"])),
         ("decode step", f"{stats['step_ms']:.2f} ms"),
