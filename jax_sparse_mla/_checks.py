@@ -69,6 +69,8 @@ def check_cache(name: str, cache, fmt: KVFormat) -> CacheInfo:
 
 
 def check_static_float(name: str, value: Any) -> float:
+    if isinstance(value, (str, bytes, bool)):
+        raise TypeError(f"{name}: expected a static Python float, got {type(value).__name__}")
     try:
         out = float(value)
     except Exception as e:  # a tracer, an array with more than one element, ...

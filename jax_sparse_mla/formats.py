@@ -477,6 +477,8 @@ def write_kv(cache, k_new, slots, fmt=None):
         )
 
     nb, ps, nbytes = cache.shape[0], cache.shape[1], cache.shape[-1]
+    if ps * nbytes >= 2**31:  # byte positions inside a page are int32
+        raise ValueError(f"{fn}: cache pages must be under 2 GiB (page_size * {nbytes} bytes), got page_size={ps}")
     rows = quantize_tokens(k_new.reshape(-1, fmt.d_qk), fmt)  # [n, nbytes] uint8
     if jnp.dtype(dtype) != jnp.dtype(jnp.uint8):
         # Convert the few new rows, not the cache: the cache buffer stays untouched but for the

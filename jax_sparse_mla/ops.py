@@ -23,6 +23,8 @@ from jax_sparse_mla.formats import KVFormat
 
 D_V = 512
 HEADS_PER_CTA = 64
+# More workers than this only adds empty partial-buffer rows ([b + num_parts, s_q, h_q, 512] f32).
+MAX_NUM_PARTS = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,22 +100,25 @@ def plan_decode(
     if len(q_shape) != 4:
         raise ValueError(f"q: expected shape [b, s_q, h_q, d_qk], got {q_shape}")
     b, s_q, h_q, _ = q_shape
+    if min(b, s_q, h_q) < 1:
+        raise ValueError(f"q: b, s_q and h_q must be >= 1, got shape {q_shape}")
     if len(idx_shape) != 3 or idx_shape[:2] != (b, s_q) or idx_shape[2] < 1:
         raise ValueError(f"indices: expected shape [b, s_q, topk] = ({b}, {s_q}, topk >= 1), got {idx_shape}")
     topk = idx_shape[2]
     extra_topk = 0
     if extra_indices is not None:
         e_shape = _checks._shape(extra_indices)
-        if len(e_shape) != 3 or e_shape[:2] != (b, s_q):
-            raise ValueError(f"extra_indices: expected shape [b, s_q, extra_topk] with b={b}, s_q={s_q}, got {e_shape}")
+        if len(e_shape) != 3 or e_shape[:2] != (b, s_q) or e_shape[2] < 1:
+            raise ValueError(
+                f"extra_indices: expected shape [b, s_q, extra_topk] = ({b}, {s_q}, extra_topk >= 1), got {e_shape}")
         extra_topk = e_shape[2]
     elif extra_topk_length is not None:
         raise ValueError("extra_topk_length: given without extra_indices")
     fit = num_parts is None
     if num_parts is None:
         num_parts = default_num_parts(s_q, h_q, config)
-    if not isinstance(num_parts, (int, np.integer)) or num_parts < 1:
-        raise ValueError(f"num_parts: expected an int >= 1, got {num_parts!r}")
+    if not isinstance(num_parts, (int, np.integer)) or not 1 <= num_parts <= MAX_NUM_PARTS:
+        raise ValueError(f"num_parts: expected an int in [1, {MAX_NUM_PARTS}], got {num_parts!r}")
     lengths = _lengths_or_full("topk_length", topk_length, b, topk)
     extra_lengths = _lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
     sched, num_splits = jax.ffi.ffi_call(
@@ -233,10 +238,7 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
     extra_topk = _checks._shape(extra_indices)[2]
     extra_lengths = _lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
 
-    if plan is None:
-        plan = plan_decode(q, indices, topk_length=lengths, extra_indices=extra_indices if extra_topk else None,
-                           extra_topk_length=extra_lengths if extra_topk else None)
-    else:
+    if plan is not None:  # None: the decode core plans for the shapes it runs on (per shard, per fold)
         _check_plan(plan, b, topk, extra_topk)
     return dict(q=q, kv_cache=kv_cache, indices=indices, topk_length=lengths, extra_kv_cache=extra_kv_cache,
                 extra_indices=extra_indices, extra_topk_length=extra_lengths, attn_sink=attn_sink, plan=plan,

@@ -98,6 +98,7 @@ def test_sm_scale_must_be_static_and_positive():
     with pytest.raises(TypeError, match=r"sm_scale: expected a static Python float"):
         jax.jit(lambda s, **kw: jsm.sparse_mla_decode(**kw, sm_scale=s))(jnp.float32(0.1), **_ok())
     _raises(ValueError, r"sm_scale: expected a finite value > 0, got -1.0", sm_scale=-1.0)
+    _raises(TypeError, r"sm_scale: expected a static Python float, got str", sm_scale="0.1")
 
 
 def test_plan_mismatch():
@@ -107,5 +108,27 @@ def test_plan_mismatch():
 
 
 def test_plan_num_parts():
-    with pytest.raises(ValueError, match=r"num_parts: expected an int >= 1, got 0"):
-        jsm.plan_decode(jnp.zeros((2, 1, 16, 576), jnp.bfloat16), jnp.zeros((2, 1, 16), jnp.int32), num_parts=0)
+    q, idx = jnp.zeros((2, 1, 16, 576), jnp.bfloat16), jnp.zeros((2, 1, 16), jnp.int32)
+    for bad in (0, 2**40, 1.5):
+        with pytest.raises(ValueError, match=r"num_parts: expected an int in \[1, 65536\], got "):
+            jsm.plan_decode(q, idx, num_parts=bad)
+
+
+def test_plan_shapes():
+    idx = jnp.zeros((2, 1, 16), jnp.int32)
+    with pytest.raises(ValueError, match=r"q: b, s_q and h_q must be >= 1, got shape \(2, 1, 0, 576\)"):
+        jsm.plan_decode(jnp.zeros((2, 1, 0, 576), jnp.bfloat16), idx)
+    with pytest.raises(ValueError, match=r"extra_indices: expected shape \[b, s_q, extra_topk\] = \(2, 1, extra_topk >= 1\)"):
+        jsm.plan_decode(jnp.zeros((2, 1, 16, 576), jnp.bfloat16), idx, extra_indices=jnp.zeros((2, 1, 0), jnp.int32),
+                        extra_topk_length=jnp.zeros((2,), jnp.int32))
+
+
+def test_stale_plan_is_refused():
+    """A plan made for shorter lengths would skip blocks: the CPU handler refuses it."""
+    args = _ok(topk=256)
+    plan = jsm.plan_decode(args["q"], args["indices"], topk_length=jnp.array([64, 64], jnp.int32), num_parts=3)
+    with pytest.raises(Exception, match=r"plan does not match topk_length"):
+        jax.block_until_ready(jsm.sparse_mla_decode(**args, topk_length=jnp.array([256, 256], jnp.int32), plan=plan))
+    # Same block counts (lengths 200 and 250 both need 4 blocks): the plan is valid for both.
+    plan = jsm.plan_decode(args["q"], args["indices"], topk_length=jnp.array([200, 200], jnp.int32), num_parts=3)
+    jax.block_until_ready(jsm.sparse_mla_decode(**args, topk_length=jnp.array([250, 256], jnp.int32), plan=plan))

@@ -481,6 +481,9 @@ def test_errors():
         write_kv(c, jnp.zeros((4, 512), jnp.bfloat16), slots)
     with pytest.raises(TypeError, match=r"write_kv: cache must have dtype"):
         write_kv(c.astype(jnp.int32), kn, slots)
+    huge = jax.ShapeDtypeStruct((1, 3_300_000, 656), jnp.uint8)  # traced only, never allocated
+    with pytest.raises(ValueError, match=r"write_kv: cache pages must be under 2 GiB .* got page_size=3300000"):
+        jax.eval_shape(write_kv, huge, kn, slots)
 
 
 def test_quantize_tokens_and_rows_helpers():

@@ -222,3 +222,16 @@ def test_build_info():
     assert info["jaxlib"]
     if info["cuda"]:
         assert info["cuda_archs"]
+
+
+def test_nan_in_used_slots_propagates_through_combine(request):
+    """Corrupt (NaN) bytes in a slot that IS referenced give NaN, split or not: the combine
+    pass must not mistake NaN pieces for empty ones."""
+    case = make_case(_rng(request), V32, b=1, s_q=1, h_q=16, topk=256, page_size=64, num_blocks=8, nan_fill=False)
+    case["indices"] = jnp.zeros_like(case["indices"])  # every entry: token 0
+    case["kv_cache"] = case["kv_cache"].at[0, 0, :].set(0xFF)  # token 0: NaN codes and scales
+    for num_parts in (1, 3):
+        plan = jsm.plan_decode(case["q"], case["indices"], num_parts=num_parts)
+        out, lse = _decode(**case, plan=plan)
+        assert np.all(np.isnan(np.asarray(lse))), num_parts
+        assert np.all(np.isnan(np.asarray(out.astype(jnp.float32)))), num_parts

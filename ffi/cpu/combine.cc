@@ -12,6 +12,9 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// max that keeps NaN (std::fmax drops it): a NaN piece must not make a row look empty.
+float max_keep_nan(float a, float b) { return (b > a || b != b) ? b : a; }
+
 ffi::Error CombineCpu(ffi::AnyBuffer out_in, ffi::Buffer<ffi::F32> lse_in, ffi::Buffer<ffi::F32> out_accum,
                       ffi::Buffer<ffi::F32> lse_accum, ffi::Buffer<ffi::S32> num_splits,
                       ffi::Buffer<ffi::F32> attn_sink, bool has_sink, ffi::Result<ffi::AnyBuffer> out,
@@ -34,7 +37,7 @@ ffi::Error CombineCpu(ffi::AnyBuffer out_in, ffi::Buffer<ffi::F32> lse_in, ffi::
       for (int h = 0; h < p.h_q; ++h) {
         auto lse_at = [&](int k) { return p.lse_accum[((first + k) * int64_t{p.s_q} + s) * p.h_q + h]; };
         float mx = -kInf;
-        for (int k = 0; k < pieces; ++k) mx = std::fmax(mx, lse_at(k));
+        for (int k = 0; k < pieces; ++k) mx = max_keep_nan(mx, lse_at(k));
         uint16_t* o = p.out + ((int64_t{r} * p.s_q + s) * p.h_q + h) * kDimV;
         float* l = p.lse + (int64_t{r} * p.h_q + h) * p.s_q + s;
         if (mx == -kInf) {  // every piece empty

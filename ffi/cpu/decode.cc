@@ -78,6 +78,41 @@ float attend(const DecodeProblem& p, const float* q, const PieceKeys& keys, std:
   return std::log(sum) + mx;
 }
 
+int request_blocks(const DecodeProblem& p, int r) {
+  const int extra_len = p.extra_topk > 0 ? clamp_length(p.extra_topk_length[r], p.extra_topk) : 0;
+  return main_blocks(clamp_length(p.topk_length[r], p.topk)) + extra_blocks(extra_len);
+}
+
+// A plan made for other lengths (a stale reused plan) would silently skip or repeat blocks:
+// check that the workers cover every block of every request once, in pieces that agree with
+// num_splits. The plan depends only on block counts, so this accepts exactly the valid plans.
+ffi::Error check_schedule(const DecodeProblem& p) {
+  if (p.num_splits[0] != 0) return invalid("plan: num_splits[0] must be 0; make plans with plan_decode");
+  std::vector<int> next_block(p.batch, 0), pieces(p.batch, 0);
+  for (int w = 0; w < p.num_parts; ++w) {
+    const int32_t* row = p.sched + w * kSchedFields;
+    const int begin_req = row[kBeginReq], end_req = row[kEndReq];
+    if (begin_req > end_req) continue;  // empty worker
+    if (begin_req < 0 || end_req >= p.batch) return invalid("plan: a worker names a request out of range");
+    for (int r = begin_req; r <= end_req; ++r) {
+      const int lo = r == begin_req ? row[kBeginBlock] : 0;
+      const int hi = r == end_req ? row[kEndBlock] : request_blocks(p, r);
+      const int piece = r == begin_req ? row[kBeginSplit] : 0;
+      if (lo != next_block[r] || hi <= lo || hi > request_blocks(p, r) || piece != pieces[r])
+        return invalid("plan does not match topk_length / extra_topk_length (request " + std::to_string(r) +
+                       "): a plan must be made from the same lengths as the call that uses it");
+      next_block[r] = hi;
+      ++pieces[r];
+    }
+  }
+  for (int r = 0; r < p.batch; ++r) {
+    if (next_block[r] != request_blocks(p, r) || p.num_splits[r + 1] - p.num_splits[r] != pieces[r])
+      return invalid("plan does not match topk_length / extra_topk_length (request " + std::to_string(r) +
+                     "): a plan must be made from the same lengths as the call that uses it");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error DecodeCpu(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
                      ffi::Buffer<ffi::S32> topk_length, ffi::AnyBuffer extra_kv, ffi::Buffer<ffi::S32> extra_indices,
                      ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::F32> attn_sink,
@@ -89,24 +124,20 @@ ffi::Error DecodeCpu(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> 
   JSM_RETURN_IF_ERROR(make_decode_problem(q, kv, indices, topk_length, extra_kv, extra_indices, extra_topk_length,
                                           attn_sink, sched, num_splits, sm_scale, kv_format, page_size,
                                           extra_page_size, has_sink, out, lse, out_accum, lse_accum, &p));
+  JSM_RETURN_IF_ERROR(check_schedule(p));
   const int64_t slots = static_cast<int64_t>(p.batch) + p.num_parts;
   PieceKeys keys;
   std::vector<float> qf(p.d_qk), z, o(kDimV);
   for (int w = 0; w < p.num_parts; ++w) {
     const int32_t* row = p.sched + w * kSchedFields;
     const int begin_req = row[kBeginReq], end_req = row[kEndReq];
-    if (begin_req > end_req) continue;  // empty worker
-    if (begin_req < 0 || end_req >= p.batch) return invalid("decode: schedule names a request out of range");
+    if (begin_req > end_req) continue;  // empty worker (check_schedule vetted the rest)
     for (int r = begin_req; r <= end_req; ++r) {
-      const int main_len = clamp_length(p.topk_length[r], p.topk);
-      const int extra_len = p.extra_topk > 0 ? clamp_length(p.extra_topk_length[r], p.extra_topk) : 0;
-      const int nblocks = main_blocks(main_len) + extra_blocks(extra_len);
       const int block_begin = r == begin_req ? row[kBeginBlock] : 0;
-      const int block_end = r == end_req ? row[kEndBlock] : nblocks;
-      if (block_begin < 0 || block_end > nblocks) return invalid("decode: schedule does not match the lengths");
+      const int block_end = r == end_req ? row[kEndBlock] : request_blocks(p, r);
       const int pieces = p.num_splits[r + 1] - p.num_splits[r];
       const int slot = p.num_splits[r] + (r == begin_req ? row[kBeginSplit] : 0);
-      if (pieces > 1 && (slot < 0 || slot >= slots)) return invalid("decode: split slot out of range");
+      if (pieces > 1 && (slot < 0 || slot >= slots)) return invalid("plan: split slot out of range");
       for (int s = 0; s < p.s_q; ++s) {
         gather_piece(p, r, s, block_begin, block_end, &keys);
         for (int h = 0; h < p.h_q; ++h) {

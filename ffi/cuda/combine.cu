@@ -16,6 +16,9 @@ namespace {
 
 constexpr int kCombineThreads = 256;  // one warp per (request, query row, head)
 
+// max that keeps NaN (fmaxf drops it): a NaN piece must not make a row look empty.
+__device__ __forceinline__ float max_keep_nan(float a, float b) { return (b > a || b != b) ? b : a; }
+
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float* __restrict__ out_accum, const float* __restrict__ lse_accum,
                    const int32_t* __restrict__ num_splits, const float* __restrict__ attn_sink, int64_t sink_stride, int batch, int s_q,
@@ -35,9 +38,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   auto lse_of = [&](int k) { return lse_accum[(static_cast<int64_t>(first + k) * s_q + s) * h_q + h]; };
 
   float mx = -INFINITY;
-  for (int k = lane; k < pieces; k += 32) mx = fmaxf(mx, lse_of(k));
+  for (int k = lane; k < pieces; k += 32) mx = max_keep_nan(mx, lse_of(k));
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  for (int o = 16; o > 0; o >>= 1) mx = max_keep_nan(mx, __shfl_xor_sync(0xffffffffu, mx, o));
 
   const int64_t out_off = ((static_cast<int64_t>(r) * s_q + s) * h_q + h) * kDimV;
   const int64_t lse_off = (static_cast<int64_t>(r) * h_q + h) * s_q + s;
