@@ -15,8 +15,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_sparse_mla import _checks, _ffi
 from jax_sparse_mla.formats import KVFormat
@@ -292,16 +290,15 @@ def _decode(*, q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
 # Transformations.
 #
 # `sparse_mla_decode` runs through two wrappers around the FFI calls above:
-#   1. `custom_vmap`: mapped dims fold into the request batch (q [n, b, ...] -> [n*b, ...]).
-#   2. `custom_partitioning` with a Shardy sharding rule: under plain `jax.jit` with sharded
-#      inputs, each device decodes its own heads and/or requests; the caches stay replicated.
+#   1. `custom_vmap` (_batching.py): mapped dims fold into the request batch.
+#   2. `custom_partitioning` with a Shardy sharding rule (_partitioning.py): under plain
+#      `jax.jit` with sharded inputs, each device decodes its own heads and/or requests.
 # Inside `shard_map` (all mesh axes manual) the partitioning wrapper lowers to its body, so the
 # op just runs on the local shapes there.
 
 # Operand order of the wrapped core (the plan arrays only when the caller passed a plan).
 _CORE_OPERANDS = ("q", "kv_cache", "indices", "topk_length", "extra_kv_cache", "extra_indices",
                   "extra_topk_length", "attn_sink")
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,7 +337,9 @@ def _transformable_decode(args: dict, *, user_plan: bool):
     ops[1], ops[4] = _rank3(ops[1]), _rank3(ops[4])
     if user_plan:
         ops += [plan.sched, plan.num_splits]
-    return _batchable(static)(*ops)
+    from jax_sparse_mla._batching import batchable  # imports this module
+
+    return batchable(static)(*ops)
 
 
 def _plan_for(static: _Static, q, indices, topk_length, extra_indices, extra_topk_length) -> DecodePlan:
@@ -361,191 +360,6 @@ def _local_decode(static: _Static, ops, *, replan: bool):
     return _decode(q=q, kv_cache=kv, indices=idx, topk_length=tl, extra_kv_cache=ekv, extra_indices=eidx,
                    extra_topk_length=etl, attn_sink=sink, plan=plan, sm_scale=static.sm_scale, fmt=static.fmt,
                    page_size=static.page_size, extra_page_size=static.extra_page_size, has_sink=static.has_sink)
-
-
-# --- vmap ---------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def _batchable(static: _Static):
-    @jax.custom_batching.custom_vmap
-    def decode(*ops):
-        return _partitionable(static)(*ops)
-
-    @decode.def_vmap
-    def rule(axis_size, in_batched, *ops):
-        return _fold_batch(static, axis_size, in_batched, ops)
-
-    return decode
-
-
-def _stack_caches(cache, indices, n: int, name: str):
-    """n caches [n, blocks, page, bytes] as one [n*blocks, page, bytes]; each element's valid
-    indices shifted onto its own part, invalid ones set to -1 (they stay masked)."""
-    blocks, page = int(cache.shape[1]), int(cache.shape[2])
-    tokens = blocks * page
-    if n * tokens > _INT32_MAX:
-        raise NotImplementedError(
-            f"vmap of sparse_mla_decode over {name}: the {n} mapped caches are stacked into one of "
-            f"{n * tokens} token slots, more than int32 indices can address ({_INT32_MAX}); map fewer "
-            "caches or pass one shared (unmapped) cache")
-    offset = (jnp.arange(n, dtype=jnp.int32) * tokens).reshape(n, 1, 1, 1)
-    valid = (indices >= 0) & (indices < tokens)
-    indices = jnp.where(valid, indices + offset, -1)
-    return cache.reshape(n * blocks, *cache.shape[2:]), indices
-
-
-def _fold_batch(static: _Static, n: int, in_batched, ops):
-    """vmap rule: every mapped dim folds into the request batch, one decode runs, and the
-    results unfold. A mapped cache is supported by stacking the n caches into one (see
-    `_stack_caches`); a mapped attn_sink becomes one sink row per folded request."""
-    ops = list(ops)
-    batched = list(in_batched)
-    if not any(batched[:8]):
-        # Only the plan is mapped: one unmapped decode serves every element.
-        ops = ops[:8]
-        if static.plan_parts is not None:
-            plan = _plan_for(static, ops[0], ops[2], ops[3], ops[5], ops[6])
-            ops += [plan.sched, plan.num_splits]
-        return _batchable(static)(*ops), (False, False)
-
-    q, kv, idx, tl, ekv, eidx, etl, sink = ops[:8]
-    b_q, b_kv, b_idx, b_tl, b_ekv, b_eidx, b_etl, b_sink = batched[:8]
-
-    def per_element(x, is_batched):
-        return x if is_batched else jnp.broadcast_to(x, (n, *x.shape))
-
-    q, idx, tl, eidx, etl = (per_element(x, bt) for x, bt in
-                             ((q, b_q), (idx, b_idx), (tl, b_tl), (eidx, b_eidx), (etl, b_etl)))
-    if b_kv:
-        kv, idx = _stack_caches(kv, idx, n, "kv_cache")
-    if b_ekv:
-        if static.has_extra:
-            ekv, eidx = _stack_caches(ekv, eidx, n, "extra_kv_cache")
-        else:  # the neutral placeholder; nothing reads it
-            ekv = ekv[0]
-
-    b = int(q.shape[1])
-
-    def fold(x):
-        return x.reshape(n * b, *x.shape[2:])
-
-    q, idx, tl, eidx, etl = (fold(x) for x in (q, idx, tl, eidx, etl))
-    inner = static
-    if static.sink_per_request:  # already [b, h_q]: folds like q
-        sink = fold(per_element(sink, b_sink))
-    elif b_sink:  # [n, h_q] -> one row per folded request
-        inner = dataclasses.replace(static, sink_per_request=True)
-        sink = jnp.repeat(sink, b, axis=0)
-    folded = [q, kv, idx, tl, ekv, eidx, etl, sink]
-    if static.plan_parts is not None:
-        plan = _plan_for(static, q, idx, tl, eidx, etl)
-        folded += [plan.sched, plan.num_splits]
-    out, lse = _batchable(inner)(*folded)
-    return (out.reshape(n, b, *out.shape[1:]), lse.reshape(n, b, *lse.shape[1:])), (True, True)
-
-
-# --- sharding -----------------------------------------------------------------------------------
-
-# Shardy rule: b (requests) and h (heads) may be split; every other factor stays replicated.
-_RULE_OPERANDS = "b s h d, n p c, b s k, b, m r e, b s j, b, "  # + the sink's factors
-_RULE_PLAN = ", w f, t"
-_RULE_RESULTS = "b s h v, b h s"
-_SPLIT_FACTORS = ("b", "h")
-
-
-def _replicated_factors(rule: str) -> tuple:
-    """Every factor but b and h, in order of first appearance (Shardy wants them sorted)."""
-    seen = []
-    for ch in rule:
-        if ch.isalpha() and ch not in seen:
-            seen.append(ch)
-    return tuple(f for f in seen if f not in _SPLIT_FACTORS)
-
-
-@functools.lru_cache(maxsize=None)
-def _partitionable(static: _Static):
-    def decode(*ops):
-        return _local_decode(static, ops, replan=False)
-
-    wrapped = custom_partitioning(decode)
-    with_plan = static.plan_parts is not None
-    sink = "b h" if static.sink_per_request else "h"
-    rule = _RULE_OPERANDS + sink + (_RULE_PLAN if with_plan else "") + " -> " + _RULE_RESULTS
-    wrapped.def_partition(
-        partition=functools.partial(_partition, static),
-        infer_sharding_from_operands=functools.partial(_infer_shardings, static),
-        sharding_rule=rule,
-        need_replication_factors=_replicated_factors(rule),
-    )
-    return wrapped
-
-
-def _spec_axes(sharding, dim: int) -> tuple:
-    """The mesh axes dim `dim` of a NamedSharding is split over (empty if none or unknown)."""
-    spec = getattr(sharding, "spec", None)
-    if spec is None or dim >= len(spec) or spec[dim] is None:
-        return ()
-    entry = spec[dim]
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _split_axes(mesh, size: int, *candidates) -> tuple:
-    """The first candidate axes that divide `size` evenly (an uneven split is not done)."""
-    for axes in candidates:
-        if axes and all(a in mesh.shape for a in axes):
-            ways = math.prod(mesh.shape[a] for a in axes)
-            if ways > 1 and size % ways == 0:
-                return axes
-    return ()
-
-
-def _entry(axes: tuple):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def _choose_split(static: _Static, mesh, arg_shapes, result_shapes):
-    q, out, sink = arg_shapes[0], result_shapes[0], arg_shapes[7]
-    b, _, h, _ = q.shape
-    sink_h = 1 if static.sink_per_request else 0
-    b_axes = _split_axes(mesh, b, _spec_axes(q.sharding, 0), _spec_axes(out.sharding, 0),
-                         _spec_axes(arg_shapes[2].sharding, 0))
-    h_axes = _split_axes(mesh, h, _spec_axes(q.sharding, 2), _spec_axes(out.sharding, 2),
-                         _spec_axes(sink.sharding, sink_h))
-    if set(h_axes) & set(b_axes):
-        h_axes = ()
-    return b_axes, h_axes
-
-
-def _shardings(static: _Static, mesh, b_axes, h_axes):
-    bb, hh = _entry(b_axes), _entry(h_axes)
-
-    def ns(*spec):
-        return NamedSharding(mesh, PartitionSpec(*spec))
-
-    sink = ns(bb, hh) if static.sink_per_request else ns(hh)
-    args = [ns(bb, None, hh, None), ns(), ns(bb, None, None), ns(bb), ns(), ns(bb, None, None), ns(bb), sink]
-    if static.plan_parts is not None:
-        args += [ns(), ns()]
-    results = (ns(bb, None, hh, None), ns(bb, hh, None))
-    return tuple(args), results
-
-
-def _partition(static: _Static, mesh, arg_shapes, result_shape):
-    b_axes, h_axes = _choose_split(static, mesh, arg_shapes, result_shape)
-    arg_shardings, result_shardings = _shardings(static, mesh, b_axes, h_axes)
-
-    # A plan covers the requests it was made for: with the batch split each shard plans its
-    # own requests. A head split keeps a passed plan (any plan for these requests is valid).
-    def lower(*ops):
-        return _local_decode(static, ops, replan=bool(b_axes))
-
-    return mesh, lower, result_shardings, arg_shardings
-
-
-def _infer_shardings(static: _Static, mesh, arg_shapes, result_shape):
-    """Result shardings for the GSPMD partitioner (`jax_use_shardy_partitioner` off)."""
-    b_axes, h_axes = _choose_split(static, mesh, arg_shapes, result_shape)
-    return _shardings(static, mesh, b_axes, h_axes)[1]
 
 
 # --- jax.export -------------------------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""vmap of `sparse_mla_decode`: mapped dims fold into the request batch, one decode runs.
+
+q `[n, b, ...]` becomes `[n*b, ...]` (indices and lengths likewise); mapped caches are stacked
+into one with each element's indices shifted onto its part; a mapped `attn_sink` becomes one
+sink row per folded request (the FFI takes `[b, h_q]` sinks for that). Plans are re-made for
+the folded batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sparse_mla._partitioning import partitionable
+from jax_sparse_mla.ops import _plan_for, _Static
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+@functools.lru_cache(maxsize=None)
+def batchable(static: _Static):
+    @jax.custom_batching.custom_vmap
+    def decode(*ops):
+        return partitionable(static)(*ops)
+
+    @decode.def_vmap
+    def rule(axis_size, in_batched, *ops):
+        return _fold_batch(static, axis_size, in_batched, ops)
+
+    return decode
+
+
+def _stack_caches(cache, indices, n: int, name: str):
+    """n caches [n, blocks, page, bytes] as one [n*blocks, page, bytes]; each element's valid
+    indices shifted onto its own part, invalid ones set to -1 (they stay masked)."""
+    blocks, page = int(cache.shape[1]), int(cache.shape[2])
+    tokens = blocks * page
+    if n * tokens > _INT32_MAX:
+        raise NotImplementedError(
+            f"vmap of sparse_mla_decode over {name}: the {n} mapped caches are stacked into one of "
+            f"{n * tokens} token slots, more than int32 indices can address ({_INT32_MAX}); map fewer "
+            "caches or pass one shared (unmapped) cache")
+    offset = (jnp.arange(n, dtype=jnp.int32) * tokens).reshape(n, 1, 1, 1)
+    valid = (indices >= 0) & (indices < tokens)
+    indices = jnp.where(valid, indices + offset, -1)
+    return cache.reshape(n * blocks, *cache.shape[2:]), indices
+
+
+def _fold_batch(static: _Static, n: int, in_batched, ops):
+    """vmap rule: every mapped dim folds into the request batch, one decode runs, and the
+    results unfold. A mapped cache is supported by stacking the n caches into one (see
+    `_stack_caches`); a mapped attn_sink becomes one sink row per folded request."""
+    ops = list(ops)
+    batched = list(in_batched)
+    if not any(batched[:8]):
+        # Only the plan is mapped: one unmapped decode serves every element.
+        ops = ops[:8]
+        if static.plan_parts is not None:
+            plan = _plan_for(static, ops[0], ops[2], ops[3], ops[5], ops[6])
+            ops += [plan.sched, plan.num_splits]
+        return batchable(static)(*ops), (False, False)
+
+    q, kv, idx, tl, ekv, eidx, etl, sink = ops[:8]
+    b_q, b_kv, b_idx, b_tl, b_ekv, b_eidx, b_etl, b_sink = batched[:8]
+
+    def per_element(x, is_batched):
+        return x if is_batched else jnp.broadcast_to(x, (n, *x.shape))
+
+    q, idx, tl, eidx, etl = (per_element(x, bt) for x, bt in
+                             ((q, b_q), (idx, b_idx), (tl, b_tl), (eidx, b_eidx), (etl, b_etl)))
+    if b_kv:
+        kv, idx = _stack_caches(kv, idx, n, "kv_cache")
+    if b_ekv:
+        if static.has_extra:
+            ekv, eidx = _stack_caches(ekv, eidx, n, "extra_kv_cache")
+        else:  # the neutral placeholder; nothing reads it
+            ekv = ekv[0]
+
+    b = int(q.shape[1])
+
+    def fold(x):
+        return x.reshape(n * b, *x.shape[2:])
+
+    q, idx, tl, eidx, etl = (fold(x) for x in (q, idx, tl, eidx, etl))
+    inner = static
+    if static.sink_per_request:  # already [b, h_q]: folds like q
+        sink = fold(per_element(sink, b_sink))
+    elif b_sink:  # [n, h_q] -> one row per folded request
+        inner = dataclasses.replace(static, sink_per_request=True)
+        sink = jnp.repeat(sink, b, axis=0)
+    folded = [q, kv, idx, tl, ekv, eidx, etl, sink]
+    if static.plan_parts is not None:
+        plan = _plan_for(static, q, idx, tl, eidx, etl)
+        folded += [plan.sched, plan.num_splits]
+    out, lse = batchable(inner)(*folded)
+    return (out.reshape(n, b, *out.shape[1:]), lse.reshape(n, b, *lse.shape[1:])), (True, True)
