@@ -82,8 +82,13 @@ def _fold_batch(static: _Static, n: int, in_batched, ops):
 
     b = int(q.shape[1])
 
+    # Request-major ([n, b] -> [b, n] -> [b*n]): a batch dim split over devices (data
+    # parallel) stays a contiguous split of the folded batch, so no all-gather is needed.
     def fold(x):
-        return x.reshape(n * b, *x.shape[2:])
+        return jnp.swapaxes(x, 0, 1).reshape(b * n, *x.shape[2:])
+
+    def unfold(x):
+        return jnp.swapaxes(x.reshape(b, n, *x.shape[1:]), 0, 1)
 
     q, idx, tl, eidx, etl = (fold(x) for x in (q, idx, tl, eidx, etl))
     inner = static
@@ -91,10 +96,10 @@ def _fold_batch(static: _Static, n: int, in_batched, ops):
         sink = fold(per_element(sink, b_sink))
     elif b_sink:  # [n, h_q] -> one row per folded request
         inner = dataclasses.replace(static, sink_per_request=True)
-        sink = jnp.repeat(sink, b, axis=0)
+        sink = jnp.tile(sink, (b, 1))  # folded row j * n + i is element i's
     folded = [q, kv, idx, tl, ekv, eidx, etl, sink]
     if static.plan_parts is not None:
         plan = _plan_for(static, q, idx, tl, eidx, etl)
         folded += [plan.sched, plan.num_splits]
     out, lse = batchable(inner)(*folded)
-    return (out.reshape(n, b, *out.shape[1:]), lse.reshape(n, b, *lse.shape[1:])), (True, True)
+    return (unfold(out), unfold(lse)), (True, True)

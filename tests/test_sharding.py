@@ -162,6 +162,32 @@ def test_helpers_reject_bad_axes():
         sharding.shard_map_decode(mesh, batch_axis="dp", cache_axis="tp")
 
 
+def test_vmap_inside_jit_sharded():
+    """vmap over a group axis of requests split DP2 x TP4 under jit: the fold keeps the batch
+    split contiguous, so the program has no collective, and the result equals the unsharded op."""
+    rng = _rng()
+    mesh = _mesh(_cpus(8), 2, 4)
+    n = 2
+    cases = [_case(rng, b=4, h_q=32, nan_fill=False) for _ in range(n)]
+    kv = cases[0]["kv_cache"]
+    q = jnp.stack([c["q"] for c in cases])
+    idx = jnp.stack([c["indices"] for c in cases])
+    lens = jnp.stack([c["topk_length"] for c in cases])
+    sink = cases[0]["attn_sink"]
+    qs = jax.device_put(q, jax.NamedSharding(mesh, jax.P(None, "dp", None, "tp", None)))
+    ids = jax.device_put(idx, jax.NamedSharding(mesh, jax.P(None, "dp")))
+    ls = jax.device_put(lens, jax.NamedSharding(mesh, jax.P(None, "dp")))
+    step = jax.jit(jax.vmap(lambda q, i, l: jsm.sparse_mla_decode(q, kv, i, topk_length=l, attn_sink=sink)))
+    compiled = step.lower(qs, ids, ls).compile()
+    found = sorted(set(COLLECTIVES.findall(compiled.as_text())))
+    assert not found, f"collectives in the compiled program: {found}"
+    out, lse = compiled(qs, ids, ls)
+    assert out.sharding.spec[1] == "dp" and out.sharding.spec[3] == "tp", out.sharding
+    for i, case in enumerate(cases):
+        case = {**case, "kv_cache": kv, "attn_sink": sink}
+        _close((out[i], lse[i]), _decode(**case))
+
+
 @pytest.mark.multigpu
 @pytest.mark.parametrize("dp,tp", [(1, 2), (2, 1)])
 def test_two_gpus(dp, tp):
