@@ -25,7 +25,7 @@ from tests.utils import (  # noqa: E402
     load_conformance,
     make_case,
 )
-from tests.test_gpu import soften  # noqa: E402  (FlashMLA-like |V|; see the note there)
+from tests.utils import soften  # noqa: E402  (FlashMLA-like |V|; see the note there)
 
 V32, MODEL1 = jsm.KVFormat.V32, jsm.KVFormat.MODEL1
 _decode = jax.jit(jsm.sparse_mla_decode, static_argnames=("sm_scale",))

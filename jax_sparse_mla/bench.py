@@ -17,11 +17,13 @@ FlashMLA's time on an H200 (from shared/PERF.md) is printed beside.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
 import math
 import statistics
+import sys
 import time
 
 import jax
@@ -331,6 +333,20 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+@contextlib.contextmanager
+def _progress(total: int):
+    """A progress bar over the shapes on stderr (rich), or nothing when rich is missing."""
+    try:
+        from rich.console import Console
+        from rich.progress import Progress
+    except ImportError:
+        yield lambda name: None
+        return
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("shapes", total=total)
+        yield lambda name: bar.update(task, advance=1, description=name)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES,
@@ -341,6 +357,8 @@ def main(argv=None):
     ap.add_argument("--plot", metavar="PATH", help="write a PNG bar chart")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--list", action="store_true", help="list the presets and exit")
+    ap.add_argument("--allow-cpu", action="store_true",
+                    help="run even without a GPU (the presets then take minutes and time the C++ CPU path)")
     args = ap.parse_args(argv)
     if args.list:
         for name, s in PRESETS.items():
@@ -350,12 +368,18 @@ def main(argv=None):
     unknown = [n for n in names if n not in PRESETS]
     if unknown:
         ap.error(f"unknown shapes {unknown}; see --list")
+    if jax.default_backend() == "cpu" and not args.allow_cpu:
+        print("bench: no GPU visible to JAX. The presets are GPU-sized and would time the C++ CPU path "
+              "for minutes; pass --allow-cpu to run anyway.", file=sys.stderr)
+        return 2
     print(f"devices: {jax.devices()}  jax {jax.__version__}")
     rows = []
-    for n in names:
-        row = run_shape(PRESETS[n], iters=args.iters, xla=not args.no_xla, reference_path=not args.no_reference)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    with _progress(len(names)) as advance:
+        for n in names:
+            row = run_shape(PRESETS[n], iters=args.iters, xla=not args.no_xla, reference_path=not args.no_reference)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            advance(n)
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
