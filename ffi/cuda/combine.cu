@@ -22,7 +22,8 @@ __device__ __forceinline__ float max_keep_nan(float a, float b) { return (b > a 
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float* __restrict__ out_accum, const float* __restrict__ lse_accum,
                    const int32_t* __restrict__ num_splits, const float* __restrict__ attn_sink,
-                   int64_t sink_stride, int batch, int s_q, int h_q, bool has_sink, uint16_t* __restrict__ out, float* __restrict__ lse) {
+                   int64_t sink_stride, int batch, int s_q, int h_q, bool has_sink, uint16_t* __restrict__ out,
+                   float* __restrict__ lse) {
   const int lane = threadIdx.x & 31;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (kCombineThreads / 32) + (threadIdx.x >> 5);
   const int64_t per_req = static_cast<int64_t>(s_q) * h_q;
