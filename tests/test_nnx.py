@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
+from jax_sparse_mla import formats  # noqa: E402
 from jax_sparse_mla import nnx as jnnx  # noqa: E402
 
 SMALL = dict(dim=64, n_heads=8, q_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=2,
@@ -127,3 +128,74 @@ def test_tensor_parallel_layer():
     assert decode and all("bf16[2,1,2,576]" in line for line in decode), decode
     gathered = [line for line in hlo.splitlines() if re.search(r"\ball-gather", line)]
     assert not [line for line in gathered if "u8[" in line or ",576]" in line], gathered
+
+
+# ---- an independent reference: no cache, no absorption, complex-number RoPE ----------------
+
+def _rope_complex(x, pos, theta):
+    """RoPE on the halves convention written with complex numbers (independent of jnnx.rope)."""
+    d = x.shape[-1]
+    freq = theta ** (-np.arange(0, d // 2) * 2.0 / d)
+    z = (x[..., : d // 2] + 1j * x[..., d // 2:]) * np.exp(1j * pos * freq)
+    return np.concatenate([z.real, z.imag], -1)
+
+
+def _w(m):
+    return np.asarray(m.kernel[...], np.float64)
+
+
+def _rms(v, m):
+    return v / np.sqrt(np.mean(v * v, -1, keepdims=True) + 1e-6) * np.asarray(m.scale[...], np.float64)
+
+
+def _naive_entries(layer, xs, c):
+    """Every token's cache entry `[b, T, d_qk]` [normed latent | RoPE'd k_pe], recomputed from
+    the hidden states `xs [b, T, dim]` and rounded through FP8 like the cache."""
+    kv = np.asarray(xs, np.float64) @ _w(layer.wkv_a)
+    latent = _rms(kv[..., : c.latent_dim], layer.kv_norm)
+    k_pe = np.stack([_rope_complex(kv[:, j, c.latent_dim:], j, c.rope_theta) for j in range(xs.shape[1])], 1)
+    fmt = c.kv_format
+    entries = jnp.asarray(np.concatenate([latent, k_pe], -1), jnp.bfloat16).reshape(-1, fmt.d_qk)
+    entries = formats.dequantize_tokens(formats.quantize_tokens(entries, fmt), fmt)
+    return np.asarray(entries.astype(jnp.float32), np.float64).reshape(*xs.shape[:2], fmt.d_qk)
+
+
+def _naive_mla(layer, xs, entries, t, c):
+    """float64 MLA of the token at position t over the entries of positions 0..t, with
+    per-head up-projection instead of weight absorption."""
+    entries = entries[:, : t + 1]
+    latent, k_pe = entries[..., : c.latent_dim], entries[..., c.latent_dim:]
+    k_nope = np.einsum("btc,hnc->bthn", latent, np.asarray(layer.w_uk[...], np.float64))
+    v = np.einsum("btc,hcv->bthv", entries[..., :512], np.asarray(layer.w_uv[...], np.float64))
+    x = np.asarray(xs[:, t], np.float64)
+    q = (_rms(x @ _w(layer.wq_a), layer.q_norm) @ _w(layer.wq_b)).reshape(x.shape[0], c.n_heads, -1)
+    q_nope, q_pe = q[..., : c.qk_nope_head_dim], _rope_complex(q[..., c.qk_nope_head_dim:], t, c.rope_theta)
+    logits = (np.einsum("bhn,bthn->bht", q_nope, k_nope) + np.einsum("bhr,btr->bht", q_pe, k_pe)) * (
+        c.qk_nope_head_dim + c.rope_dim) ** -0.5
+    m = logits.max(-1, keepdims=True)
+    p = np.exp(logits - m)
+    denom = p.sum(-1, keepdims=True)
+    o = np.einsum("bht,bthv->bhv", p / denom, v)
+    if layer.sink is not None:
+        lse = (np.log(denom) + m)[..., 0]
+        o = o / (1 + np.exp(np.asarray(layer.sink[...], np.float64)[None, :] - lse))[..., None]
+    return o.reshape(x.shape[0], -1) @ _w(layer.wo)
+
+
+@pytest.mark.parametrize("cfg", [dict(fmt="V32", index_topk=32, attn_sink=True),
+                                 dict(fmt="MODEL1", index_topk=16, window=6, attn_sink=True)],
+                         ids=["V32-sink", "MODEL1-sink-window"])
+def test_layer_equals_independent_naive_mla(cfg):
+    """Decoding token by token through the FP8 cache (context below top-k + window) equals a
+    cache-free float64 MLA that shares no code with the layer but its weights and the FP8
+    rounding: catches RoPE on wrong dims or positions, a dropped norm, wrong absorption."""
+    c = jnnx.MLAConfig(**SMALL, **cfg)
+    b, steps = 3, 16
+    layer = jnnx.MLAAttention(c, rngs=nnx.Rngs(0))
+    table, num_blocks = jnnx.make_block_table(b, 48, c.page_size, seed=0)
+    cache = jnnx.init_layer_cache(c, num_blocks, b)
+    xs = np.asarray(jax.random.normal(jax.random.key(3), (b, steps, c.dim)), np.float32)
+    entries = _naive_entries(layer, xs, c)
+    for t in range(steps):
+        y, cache = _jit_step(layer, jnp.asarray(xs[:, t:t + 1]), cache, jnp.full((b,), t, jnp.int32), table, False)
+        _assert_close(y[:, 0], _naive_mla(layer, xs, entries, t, c), rel=1e-2)
