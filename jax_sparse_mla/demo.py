@@ -17,28 +17,41 @@ import sys
 import time
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"  # what argparse names in its error
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_sparse_mla demo",
         description="Decode with a small random-weight DeepSeek-style model (MLA + lightning indexer + "
                     "sparse FP8 attention) and report speed and agreement with dense attention.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--layers", type=int, default=2, help="decoder layers")
-    p.add_argument("--heads", type=int, default=16, help="attention heads (divisible by --tp)")
-    p.add_argument("--batch", type=int, default=4, help="requests decoded together")
-    p.add_argument("--steps", type=int, default=64, help="tokens generated per request after the prompt (>= 2)")
-    p.add_argument("--context", type=int, default=32, help="prompt tokens per request, fed before generating (>= 1)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (heads split); on the CPU "
-                                                     "this many host devices are created")
-    p.add_argument("--topk", type=int, default=64, help="tokens the indexer keeps per query")
+    p.add_argument("--layers", type=_at_least(1), default=2, help="decoder layers")
+    p.add_argument("--heads", type=_at_least(1), default=16, help="attention heads (divisible by --tp)")
+    p.add_argument("--batch", type=_at_least(1), default=4, help="requests decoded together")
+    p.add_argument("--steps", type=_at_least(2), default=64, help="tokens generated per request after the prompt")
+    p.add_argument("--context", type=_at_least(1), default=32, help="prompt tokens per request, fed before generating")
+    p.add_argument("--tp", type=_at_least(1), default=1, help="tensor-parallel devices (heads and the MLP split; must "
+                                                     "divide --heads and 512); on the CPU this many host "
+                                                     "devices are created")
+    p.add_argument("--topk", type=_at_least(1), default=64, help="tokens the indexer keeps per query")
     p.add_argument("--format", choices=("V32", "MODEL1"), default="V32", help="FP8 cache format")
     p.add_argument("--sink", action="store_true", help="per-head attention sink")
-    p.add_argument("--window", type=int, default=0, help="sliding window kept in the extra cache (0: off)")
-    p.add_argument("--dim", type=int, default=256, help="hidden size")
-    p.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
-    p.add_argument("--page-size", type=int, default=64, help="tokens per cache page")
-    p.add_argument("--check-steps", type=int, default=4, help="first steps compared with dense attention "
-                                                                 "(equal while the context is shorter than --topk)")
+    p.add_argument("--window", type=_at_least(0), default=0, help="sliding window kept in the extra cache (0: off)")
+    p.add_argument("--dim", type=_at_least(1), default=256, help="hidden size")
+    p.add_argument("--vocab", type=_at_least(2), default=1024, help="vocabulary size")
+    p.add_argument("--page-size", type=_at_least(1), default=64, help="tokens per cache page")
+    p.add_argument("--check-steps", type=_at_least(0), default=4, help="first steps compared with dense attention "
+                                                                 "(only while the context fits in --topk + --window, "
+                                                                 "where the two must agree)")
     p.add_argument("--seed", type=int, default=0, help="weights, prompt and page-shuffle seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -93,16 +106,14 @@ def run(args: argparse.Namespace) -> dict:
 
     import jax_sparse_mla as jsm
     from jax_sparse_mla.model import DecoderModel, ModelConfig, init_caches
-    from jax_sparse_mla.nnx import MLAConfig
+    from jax_sparse_mla.nnx import MLAConfig, token_slots, window_indices
 
-    if args.context < 1 or args.steps < 2:
-        raise SystemExit("--context must be >= 1 and --steps >= 2")
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     devices = jax.devices(platform)
     if args.tp < 1 or args.tp > len(devices):
         raise SystemExit(f"--tp {args.tp}: {len(devices)} {platform} device(s) available")
-    if args.heads % args.tp:
-        raise SystemExit(f"--heads {args.heads} must be divisible by --tp {args.tp}")
+    if args.heads % args.tp or ModelConfig.ffn_dim % args.tp:
+        raise SystemExit(f"--tp {args.tp} must divide --heads ({args.heads}) and the MLP size ({ModelConfig.ffn_dim})")
     mesh = Mesh(np.asarray(devices[: args.tp]), ("tp",))
     replicated = NamedSharding(mesh, P())
 
@@ -138,8 +149,11 @@ def run(args: argparse.Namespace) -> dict:
     generated = []
     try:
         for t in range(feeds):
-            if t < args.check_steps:
+            # Dense and sparse attention agree while every cached token is selected.
+            check = t < args.check_steps and t + 1 <= args.topk + args.window
+            if check:
                 ref_logits, _ = dense_step(state, caches, tokens, positions, table)
+                jax.block_until_ready(ref_logits)  # not inside the timed sparse step
             start = time.perf_counter()
             logits, caches = step(state, caches, tokens, positions, table)
             next_tokens = jnp.argmax(logits, axis=-1).astype(tokens.dtype)
@@ -150,7 +164,7 @@ def run(args: argparse.Namespace) -> dict:
             elif t >= args.context:  # feeding a generated token
                 gen_time += elapsed
                 timed += 1
-            if t < args.check_steps:
+            if check:
                 ref = np.asarray(ref_logits, np.float64)
                 errors.append(float(np.max(np.abs(np.asarray(logits, np.float64) - ref)) / np.max(np.abs(ref))))
                 agree.append(float(np.mean(np.argmax(ref, -1) == np.asarray(next_tokens))))
@@ -165,22 +179,33 @@ def run(args: argparse.Namespace) -> dict:
         close()
     step_time = gen_time / timed if timed else float("nan")
 
-    # The attention op alone: `layers` calls at this step's shapes (last-step lengths).
+    # The attention op alone, called as the layers call it at the last fed position: the
+    # layer's top-k size and lengths, its window extra list and sink, tokens of the request's own
+    # earlier positions (random ones: the time does not depend on which).
     fmt = jsm.KVFormat.coerce(args.format)
-    k = min(args.topk, total)
+    last = feeds - 1
+    k = min(args.topk, table.shape[1] * args.page_size)
+    n_valid = int(np.clip(last + 1 - args.window, 0, k))
     idx_rng = np.random.default_rng(args.seed)
-    num_tokens = caches[0].kv.shape[0] * caches[0].kv.shape[1]
-    indices = jax.device_put(jnp.asarray(idx_rng.integers(0, num_tokens, (b, 1, k), dtype=np.int32)), replicated)
-    q = jax.device_put(jnp.zeros((b, 1, args.heads, fmt.d_qk), jnp.bfloat16),
+    earlier = jnp.asarray(idx_rng.integers(0, max(last + 1 - args.window, 1), (b, k), dtype=np.int32))
+    indices = jnp.where(jnp.arange(k) < n_valid, token_slots(table, earlier, args.page_size), -1)[:, None, :]
+    op_args = dict(indices=indices.astype(jnp.int32), topk_length=jnp.full((b,), n_valid, jnp.int32))
+    if args.window:
+        op_args["extra_indices"] = window_indices(attn, jnp.full((b, 1), last, jnp.int32))
+    if args.sink:
+        op_args["attn_sink"] = jax.device_put(jnp.asarray(idx_rng.normal(size=args.heads), jnp.float32),
+                                              NamedSharding(mesh, P("tp")))
+    op_args = {key: jax.device_put(v, replicated) if key != "attn_sink" else v for key, v in op_args.items()}
+    q = jax.device_put(jnp.asarray(idx_rng.normal(size=(b, 1, args.heads, fmt.d_qk)), jnp.bfloat16),
                        NamedSharding(mesh, P(None, None, "tp")))
-    kv = [c.kv for c in caches]
 
     @jax.jit
-    def attention_only(q, kv, indices):
-        outs = [jsm.sparse_mla_decode(q, c, indices, sm_scale=attn.softmax_scale)[0] for c in kv]
-        return outs
+    def attention_only(q, caches, op_args):
+        return [jsm.sparse_mla_decode(q, c.kv, sm_scale=attn.softmax_scale,
+                                      extra_kv_cache=c.window_kv if args.window else None, **op_args)[0]
+                for c in caches]
 
-    attn_time = _time(attention_only, q, kv, indices)
+    attn_time = _time(attention_only, q, caches, op_args)
     stats = dict(
         platform=platform, devices=args.tp, batch=b, layers=args.layers, heads=args.heads,
         cache=f"{fmt.name} FP8 paged, page {args.page_size}, top-k {args.topk}, "
@@ -206,7 +231,7 @@ def report(stats: dict) -> None:
         ("attention op", f"{stats['attention_ms']:.3f} ms/step ({100 * stats['attention_share']:.1f}% of the step)"),
         (f"vs dense attention (first {stats['checked_steps']} steps)",
          f"max rel. logit error {stats['max_rel_logit_error']:.2e}, argmax agreement "
-         f"{100 * stats['argmax_agreement']:.1f}%"),
+         f"{100 * stats['argmax_agreement']:.1f}%" if stats["checked_steps"] else "not checked"),
     ]
     try:
         from rich.console import Console

@@ -38,7 +38,8 @@ from flax import nnx
 from jax_sparse_mla.formats import KVFormat, dequantize_kv, write_kv
 from jax_sparse_mla.ops import sparse_mla_decode
 
-__all__ = ["LayerCache", "MLAConfig", "MLAAttention", "init_layer_cache", "make_block_table", "rope"]
+__all__ = ["LayerCache", "MLAConfig", "MLAAttention", "init_layer_cache", "make_block_table", "rope", "token_slots",
+           "window_indices"]
 
 D_V = 512
 
@@ -203,19 +204,11 @@ class MLAAttention(nnx.Module):
         q = jnp.concatenate([rope(q[..., :r], pos, c.rope_theta), q[..., r:]], axis=-1)
         weights = self.w_idx_weights(x) * c.index_n_heads ** -0.5  # [b, s, heads]
         ctx = jnp.arange(max_context, dtype=jnp.int32)
-        keys = index_k.reshape(-1, c.index_head_dim)[_slots(block_table, ctx[None, :], c.page_size)]
+        keys = index_k.reshape(-1, c.index_head_dim)[token_slots(block_table, ctx[None, :], c.page_size)]
         logits = jnp.einsum("bshd,btd->bsht", q, keys.astype(jnp.float32)) * c.index_head_dim ** -0.5
         scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), weights)
         last = pos - (c.window if c.window else 0)  # the window's tokens are attended anyway
         return jnp.where(ctx[None, None, :] <= last[..., None], scores, -jnp.inf)
-
-    def _window_indices(self, pos):
-        """Window slots `[b, s, window]` of each row's last `window` positions (-1 before 0)."""
-        c = self.config
-        b = pos.shape[0]
-        p = pos[..., None] - jnp.arange(c.window, dtype=jnp.int32)  # [b, s, window]
-        slot = jnp.arange(b, dtype=jnp.int32)[:, None, None] * c.window_capacity + p % c.window_capacity
-        return jnp.where(p >= 0, slot, -1)
 
     # -- the layer ------------------------------------------------------------------------------
 
@@ -231,7 +224,7 @@ class MLAAttention(nnx.Module):
             raise ValueError(f"x: at most window + 1 = {c.window + 1} new tokens per call with a window, got {s}")
         pos = positions[:, None].astype(jnp.int32) + jnp.arange(s, dtype=jnp.int32)  # [b, s]
         max_context = block_table.shape[1] * c.page_size
-        slots = _slots(block_table, pos, c.page_size)
+        slots = token_slots(block_table, pos, c.page_size)
 
         q_nope, q_pe, qr = self._queries(x, pos)
         k_new = self._new_keys(x, pos)
@@ -255,7 +248,7 @@ class MLAAttention(nnx.Module):
             scores = self._index_scores(x, qr, pos, index_k, block_table, max_context)
             k = min(c.index_topk, max_context)
             top, chosen = jax.lax.top_k(scores, k)  # [b, s, k], best first
-            context_slots = _slots(block_table, jnp.arange(max_context, dtype=jnp.int32)[None], c.page_size)
+            context_slots = token_slots(block_table, jnp.arange(max_context, dtype=jnp.int32)[None], c.page_size)
             chosen_slots = context_slots[jnp.arange(b)[:, None, None], chosen]
             indices = jnp.where(jnp.isfinite(top), chosen_slots, -1).astype(jnp.int32)
             # Valid entries come first; the longest row bounds the work (shorter rows hold -1s).
@@ -265,7 +258,7 @@ class MLAAttention(nnx.Module):
             q = jnp.concatenate([q_lat, q_pe], axis=-1).astype(jnp.bfloat16)
             extra = {}
             if c.window:
-                extra = dict(extra_kv_cache=window_kv, extra_indices=self._window_indices(pos))
+                extra = dict(extra_kv_cache=window_kv, extra_indices=window_indices(c, pos))
             o, _ = sparse_mla_decode(q, kv, indices, sm_scale=c.softmax_scale, topk_length=topk_length,
                                      attn_sink=None if self.sink is None else self.sink[...], **extra)
             o = o.astype(jnp.float32)
@@ -279,7 +272,7 @@ class MLAAttention(nnx.Module):
         c = self.config
         entries = dequantize_kv(kv, c.kv_format).astype(jnp.float32).reshape(-1, c.kv_format.d_qk)
         ctx = jnp.arange(max_context, dtype=jnp.int32)
-        k = entries[_slots(block_table, ctx[None, :], c.page_size)]  # [b, t, d_qk]
+        k = entries[token_slots(block_table, ctx[None, :], c.page_size)]  # [b, t, d_qk]
         latent, k_pe = k[..., : c.latent_dim], k[..., c.latent_dim:]
         k_nope = jnp.einsum("btc,hnc->bthn", latent, self.w_uk[...])
         values = k[..., :D_V]  # V32: the latent; MODEL1: latent + RoPE dims
@@ -293,10 +286,19 @@ class MLAAttention(nnx.Module):
         return jnp.einsum("bsht,btc->bshc", p, values)
 
 
-def _slots(block_table, pos, page_size: int):
+def token_slots(block_table, pos, page_size: int):
     """Cache token slots of positions `pos [b, n]`: `page * page_size + offset`; -1 for a
     position past the block table (nothing is written there, nothing read)."""
     pages = block_table.shape[1]
     page_index = pos // page_size
     page = jnp.take_along_axis(block_table, jnp.clip(page_index, 0, pages - 1), axis=1)
     return jnp.where((page_index >= 0) & (page_index < pages), page * page_size + pos % page_size, -1)
+
+
+def window_indices(config: MLAConfig, pos):
+    """Window-cache slots `[b, s, window]` of each row's last `window` positions (-1 before 0):
+    the extra list the layer attends besides its top-k."""
+    b = pos.shape[0]
+    p = pos[..., None] - jnp.arange(config.window, dtype=jnp.int32)  # [b, s, window]
+    slot = jnp.arange(b, dtype=jnp.int32)[:, None, None] * config.window_capacity + p % config.window_capacity
+    return jnp.where(p >= 0, slot, -1)
