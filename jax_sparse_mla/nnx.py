@@ -24,6 +24,11 @@ reference the sparse path equals while the context is shorter than top-k.
 Tensor parallelism: the per-head weights carry sharding names (`tp_axis`, default "tp") on
 their head dim (`nnx.get_partition_spec` turns them into PartitionSpecs); with the heads so
 split the op's partitioning rule runs each device's heads locally on the replicated cache.
+
+RoPE uses the rotate-halves layout in both attention and the indexer. DeepSeek V3.2's own
+attention RoPE is interleaved: real checkpoints need their RoPE columns permuted to load here.
+Positions past the block table's capacity are neither written nor attended (their slot is -1):
+size the table for the longest request.
 """
 
 from __future__ import annotations

@@ -3,13 +3,18 @@
 Two ways, both splitting heads (tensor parallel) and/or requests (data parallel):
 
 * Plain `jax.jit` with `NamedSharding` inputs. The op carries its own partitioning rule (a
-  Shardy sharding rule, see `ops.py`): `q`/`out`/`lse`/`attn_sink` may be split over heads and
+  Shardy sharding rule, see `_partitioning.py`): `q`/`out`/`lse`/`attn_sink` may be split over heads and
   `q`/`indices`/lengths/`out`/`lse` over requests; the caches stay replicated, and no
   collective is added. `decode_shardings` / `shard_decode_inputs` place the arguments.
 * `shard_map`, where every device runs the op on its local shapes. `shard_map_decode` builds
   such a function; `data_parallel_decode` is the data-parallel layout where each device also
   owns its own cache pool (the cache is split over its blocks, and the indices of a device's
   requests address its own pool).
+
+Two layouts still gather the whole cache (correct, but slow): a cache the caller splits over its
+blocks under plain jit (use `data_parallel_decode`, where each device's requests address its own
+pool), and vmap over a group axis whose per-group caches are mapped and split over devices (the
+fold stacks the caches, which the rule keeps replicated).
 
 Plans: a `DecodePlan` describes the requests it was made for. Under plain jit a passed plan is
 kept while only heads are split; once requests are split each shard plans its own requests

@@ -50,7 +50,7 @@ def _worker(process_id: int, port: int, out_dir: str, seed: int) -> None:
         out, lse = jax.jit(jsm.sparse_mla_decode)(**args)
         results[f"{name}_out"] = np.asarray(multihost_utils.process_allgather(out, tiled=True), np.float32)
         results[f"{name}_lse"] = np.asarray(multihost_utils.process_allgather(lse, tiled=True))
-    # Data parallel with a cache pool per process-local device row (shard_map helper).
+    # shard_map over the global mesh: requests split over dp, heads over tp, the cache replicated.
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("dp", "tp"))
     f = jax.jit(sharding.shard_map_decode(mesh, batch_axis="dp", head_axis="tp"))
     shardings = sharding.decode_shardings(mesh, batch_axis="dp", head_axis="tp")
