@@ -160,9 +160,9 @@ def _naive_entries(layer, xs, c):
     return np.asarray(entries.astype(jnp.float32), np.float64).reshape(*xs.shape[:2], fmt.d_qk)
 
 
-def _naive_mla(layer, xs, entries, t, c):
-    """float64 MLA of the token at position t over the entries of positions 0..t, with
-    per-head up-projection instead of weight absorption."""
+def _naive_mla(layer, xs, entries, t, c, keep=None):
+    """float64 MLA of the token at position t over the entries of positions 0..t (those with
+    `keep [b, t+1]` true, when given), with per-head up-projection instead of absorption."""
     entries = entries[:, : t + 1]
     latent, k_pe = entries[..., : c.latent_dim], entries[..., c.latent_dim:]
     k_nope = np.einsum("btc,hnc->bthn", latent, np.asarray(layer.w_uk[...], np.float64))
@@ -172,6 +172,8 @@ def _naive_mla(layer, xs, entries, t, c):
     q_nope, q_pe = q[..., : c.qk_nope_head_dim], _rope_complex(q[..., c.qk_nope_head_dim:], t, c.rope_theta)
     logits = (np.einsum("bhn,bthn->bht", q_nope, k_nope) + np.einsum("bhr,btr->bht", q_pe, k_pe)) * (
         c.qk_nope_head_dim + c.rope_dim) ** -0.5
+    if keep is not None:
+        logits = np.where(keep[:, None, :], logits, -np.inf)
     m = logits.max(-1, keepdims=True)
     p = np.exp(logits - m)
     denom = p.sum(-1, keepdims=True)
@@ -199,3 +201,26 @@ def test_layer_equals_independent_naive_mla(cfg):
     for t in range(steps):
         y, cache = _jit_step(layer, jnp.asarray(xs[:, t:t + 1]), cache, jnp.full((b,), t, jnp.int32), table, False)
         _assert_close(y[:, 0], _naive_mla(layer, xs, entries, t, c), rel=1e-2)
+
+
+def test_beyond_topk_attends_the_indexers_best_tokens():
+    """With more context than top-k, the layer equals naive MLA over the k positions the
+    indexer scores highest (its own scores, ranked here independently)."""
+    c = jnnx.MLAConfig(**SMALL, fmt="V32", index_topk=5, attn_sink=False)
+    b, steps = 2, 12
+    layer = jnnx.MLAAttention(c, rngs=nnx.Rngs(1))
+    table, num_blocks = jnnx.make_block_table(b, 48, c.page_size, seed=0)
+    cache = jnnx.init_layer_cache(c, num_blocks, b)
+    xs = np.asarray(jax.random.normal(jax.random.key(4), (b, steps, c.dim)), np.float32)
+    entries = _naive_entries(layer, xs, c)
+    max_context = table.shape[1] * c.page_size
+    for t in range(steps):
+        x = jnp.asarray(xs[:, t:t + 1])
+        pos = jnp.full((b, 1), t, jnp.int32)
+        y, cache = _jit_step(layer, x, cache, pos[:, 0], table, False)
+        qr = layer.q_norm(layer.wq_a(x))
+        scores = np.asarray(layer._index_scores(x, qr, pos, cache.index_k, table, max_context))[:, 0, : t + 1]
+        best = np.argsort(-scores, axis=-1, kind="stable")[:, : c.index_topk]
+        keep = np.zeros((b, t + 1), bool)
+        np.put_along_axis(keep, best, True, axis=-1)
+        _assert_close(y[:, 0], _naive_mla(layer, xs, entries, t, c, keep), rel=1e-2)
