@@ -184,6 +184,16 @@ def _naive_mla(layer, xs, entries, t, c, keep=None):
     return o.reshape(x.shape[0], -1) @ _w(layer.wo)
 
 
+def _layer_and_history(c, b, steps, seed):
+    """A fresh layer, its empty cache and block table, random hidden states `[b, steps, dim]`
+    and their naive cache entries."""
+    layer = jnnx.MLAAttention(c, rngs=nnx.Rngs(seed))
+    table, num_blocks = jnnx.make_block_table(b, 48, c.page_size, seed=0)
+    cache = jnnx.init_layer_cache(c, num_blocks, b)
+    xs = np.asarray(jax.random.normal(jax.random.key(seed + 3), (b, steps, c.dim)), np.float32)
+    return layer, cache, table, xs, _naive_entries(layer, xs, c)
+
+
 @pytest.mark.parametrize("cfg", [dict(fmt="V32", index_topk=32, attn_sink=True),
                                  dict(fmt="MODEL1", index_topk=16, window=6, attn_sink=True)],
                          ids=["V32-sink", "MODEL1-sink-window"])
@@ -193,11 +203,7 @@ def test_layer_equals_independent_naive_mla(cfg):
     rounding: catches RoPE on wrong dims or positions, a dropped norm, wrong absorption."""
     c = jnnx.MLAConfig(**SMALL, **cfg)
     b, steps = 3, 16
-    layer = jnnx.MLAAttention(c, rngs=nnx.Rngs(0))
-    table, num_blocks = jnnx.make_block_table(b, 48, c.page_size, seed=0)
-    cache = jnnx.init_layer_cache(c, num_blocks, b)
-    xs = np.asarray(jax.random.normal(jax.random.key(3), (b, steps, c.dim)), np.float32)
-    entries = _naive_entries(layer, xs, c)
+    layer, cache, table, xs, entries = _layer_and_history(c, b, steps, seed=0)
     for t in range(steps):
         y, cache = _jit_step(layer, jnp.asarray(xs[:, t:t + 1]), cache, jnp.full((b,), t, jnp.int32), table, False)
         _assert_close(y[:, 0], _naive_mla(layer, xs, entries, t, c), rel=1e-2)
@@ -208,11 +214,7 @@ def test_beyond_topk_attends_the_indexers_best_tokens():
     indexer scores highest (its own scores, ranked here independently)."""
     c = jnnx.MLAConfig(**SMALL, fmt="V32", index_topk=5, attn_sink=False)
     b, steps = 2, 12
-    layer = jnnx.MLAAttention(c, rngs=nnx.Rngs(1))
-    table, num_blocks = jnnx.make_block_table(b, 48, c.page_size, seed=0)
-    cache = jnnx.init_layer_cache(c, num_blocks, b)
-    xs = np.asarray(jax.random.normal(jax.random.key(4), (b, steps, c.dim)), np.float32)
-    entries = _naive_entries(layer, xs, c)
+    layer, cache, table, xs, entries = _layer_and_history(c, b, steps, seed=1)
     max_context = table.shape[1] * c.page_size
     for t in range(steps):
         x = jnp.asarray(xs[:, t:t + 1])
