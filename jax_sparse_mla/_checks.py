@@ -22,10 +22,6 @@ def _shape(x) -> tuple:
     return tuple(int(d) for d in np.shape(x))
 
 
-def _dtype_name(x) -> str:
-    return str(jnp.result_type(x)) if not hasattr(x, "dtype") else str(x.dtype)
-
-
 def check_dtype(name: str, x, allowed) -> None:
     dt = jnp.dtype(x.dtype) if hasattr(x, "dtype") else None
     names = ", ".join(str(jnp.dtype(a)) for a in allowed)

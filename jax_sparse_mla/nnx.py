@@ -40,13 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_sparse_mla.formats import KVFormat, dequantize_kv, write_kv
+from jax_sparse_mla.formats import D_V, KVFormat, dequantize_kv, write_kv
 from jax_sparse_mla.ops import sparse_mla_decode
 
 __all__ = ["LayerCache", "MLAConfig", "MLAAttention", "init_layer_cache", "make_block_table", "rope", "token_slots",
            "window_indices"]
-
-D_V = 512
 
 
 @dataclasses.dataclass(frozen=True)

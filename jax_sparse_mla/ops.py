@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla import _checks, _ffi
-from jax_sparse_mla.formats import KVFormat
+from jax_sparse_mla.formats import D_V, KVFormat
 
-D_V = 512
 HEADS_PER_CTA = 64
 # More workers than this only adds empty partial-buffer rows ([b + num_parts, s_q, h_q, 512] f32).
 MAX_NUM_PARTS = 1 << 16
