@@ -392,6 +392,40 @@ def test_inside_scan_and_vmap():
     assert_lse_close(np.asarray(v_lse), np.asarray(lses))
 
 
+def test_vmap_mapped_sinks_use_per_request_rows():
+    """vmap over per-element sinks: the kernels read one sink row per folded request
+    (`sink[r * stride + h]`) in both the direct and the combine epilogue."""
+    rng = _rng()
+    case = soften(make_case(rng, V32, b=3, s_q=2, h_q=64, topk=300, page_size=64, num_blocks=16,
+                            with_lengths=True, with_sink=True, sm_scale=None))
+    sinks = np.stack([np.asarray(case["attn_sink"]), rng.normal(0, 3, 64).astype(np.float32)])
+    sinks[1, 5], sinks[1, 6] = np.inf, -np.inf
+    args = _on({k: v for k, v in case.items() if k != "attn_sink"}, GPU)
+    for num_parts in (None, 19):  # direct writes and split requests through the combine
+        plan = _plan(args, num_parts)
+
+        def one(sink, plan=plan):
+            return jsm.sparse_mla_decode(**args, attn_sink=sink, plan=plan)
+
+        outs, lses = jax.jit(jax.vmap(one))(jax.device_put(jnp.asarray(sinks), GPU))
+        for i in range(2):
+            ref_out, ref_lse = _reference(**{**case, "attn_sink": jnp.asarray(sinks[i])})
+            assert_out_close(_np(outs[i]), _np(ref_out))
+            assert_lse_close(np.asarray(lses[i]), np.asarray(ref_lse))
+
+
+def test_nan_in_used_slot_propagates_through_combine():
+    """A referenced token with NaN bytes gives NaN, split or not (the combine keeps NaN pieces)."""
+    case = make_case(_rng(), V32, b=1, s_q=1, h_q=16, topk=256, page_size=64, num_blocks=8, nan_fill=False)
+    case["indices"] = jnp.zeros_like(case["indices"])
+    case["kv_cache"] = case["kv_cache"].at[0, 0, :].set(0xFF)
+    case = _on(case, GPU)
+    for num_parts in (1, 3):
+        out, lse = _decode(**case, plan=_plan(case, num_parts))
+        assert np.all(np.isnan(np.asarray(lse))), num_parts
+        assert np.all(np.isnan(_np(out))), num_parts
+
+
 # ---- one large case -----------------------------------------------------------------------
 
 @pytest.mark.slow
