@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
 # Logs go to $OUT (the device tool brings them back); a short summary is printed last.
-#   STAGES="build smoke pytest bench sanitize" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+#   STAGES="build smoke pytest bench sanitize racecheck" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jsm_out}
@@ -78,6 +78,17 @@ if has sanitize; then
     >"$OUT/sanitize.log" 2>&1
   tail -8 "$OUT/sanitize.log"
   summary+=("memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1) / $(grep SMOKE "$OUT/sanitize.log")")
+fi
+
+if has racecheck; then  # shared-memory races and barrier misuse (never run so far)
+  for tool in racecheck synccheck; do
+    stamp "$tool"
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout ${SAN_T:-150} \
+      compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/gpu_smoke.py --sanitize \
+      >"$OUT/$tool.log" 2>&1
+    summary+=("$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)")
+  done
 fi
 
 stamp done
