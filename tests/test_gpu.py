@@ -19,6 +19,7 @@ import pytest
 import jax_sparse_mla as jsm
 from jax_sparse_mla import reference
 from tests.utils import (
+    fresh_rng,
     OUT_RTOL,
     REPO_ROOT,
     assert_lse_close,
@@ -61,12 +62,6 @@ def _np(x):
     return np.asarray(jnp.asarray(x).astype(jnp.float32))
 
 
-def _rng():
-    seed = np.random.SeedSequence().entropy % (2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def _plan(case, num_parts=None):
     return jsm.plan_decode(case["q"], case["indices"], topk_length=case.get("topk_length"),
                            extra_indices=case.get("extra_indices"),
@@ -101,14 +96,14 @@ def test_conformance(path):
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 @pytest.mark.parametrize("h_q", [1, 16, 32, 64, 96, 128])
 def test_heads(fmt, h_q):
-    case = make_case(_rng(), fmt, b=2, s_q=2, h_q=h_q, topk=70, page_size=64, num_blocks=8, with_sink=True)
+    case = make_case(fresh_rng(), fmt, b=2, s_q=2, h_q=h_q, topk=70, page_size=64, num_blocks=8, with_sink=True)
     _check(case)
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 @pytest.mark.parametrize("s_q", [1, 2, 3, 4])
 def test_query_rows(fmt, s_q):
-    case = make_case(_rng(), fmt, b=3, s_q=s_q, h_q=64, topk=133, page_size=61, num_blocks=9, with_lengths=True)
+    case = make_case(fresh_rng(), fmt, b=3, s_q=s_q, h_q=64, topk=133, page_size=61, num_blocks=9, with_lengths=True)
     _check(case)
 
 
@@ -116,20 +111,20 @@ def test_query_rows(fmt, s_q):
 @pytest.mark.parametrize("page_size", [1, 2, 61, 64, 576])
 def test_page_sizes(fmt, page_size):
     num_blocks = max(2, 600 // page_size)
-    case = make_case(_rng(), fmt, b=2, s_q=1, h_q=16, topk=100, page_size=page_size, num_blocks=num_blocks)
+    case = make_case(fresh_rng(), fmt, b=2, s_q=1, h_q=16, topk=100, page_size=page_size, num_blocks=num_blocks)
     _check(case)
 
 
 @pytest.mark.parametrize("topk", [1, 7, 63, 64, 65, 129, 200])
 def test_topk_not_multiple_of_64(topk):
-    case = make_case(_rng(), V32, b=2, s_q=2, h_q=32, topk=topk, page_size=64, num_blocks=6,
+    case = make_case(fresh_rng(), V32, b=2, s_q=2, h_q=32, topk=topk, page_size=64, num_blocks=6,
                      with_lengths=True, with_sink=True)
     _check(case)
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 def test_lengths_zero_and_full(fmt):
-    case = make_case(_rng(), fmt, b=4, s_q=2, h_q=16, topk=90, page_size=32, num_blocks=8)
+    case = make_case(fresh_rng(), fmt, b=4, s_q=2, h_q=16, topk=90, page_size=32, num_blocks=8)
     case["topk_length"] = jnp.array([0, 90, 1000, -5], jnp.int32)
     out, lse = _check(case)
     assert np.all(np.isposinf(np.asarray(lse)[[0, 3]]))
@@ -138,19 +133,19 @@ def test_lengths_zero_and_full(fmt):
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 def test_extra_cache(fmt):
-    case = make_case(_rng(), fmt, b=3, s_q=2, h_q=64, topk=50, page_size=64, num_blocks=4, extra_topk=150,
+    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=64, topk=50, page_size=64, num_blocks=4, extra_topk=150,
                      extra_page_size=17, extra_num_blocks=20, with_lengths=True, with_sink=True)
     _check(case)
 
 
 def test_extra_cache_odd_pages_many_splits():
-    case = make_case(_rng(), MODEL1, b=4, s_q=2, h_q=128, topk=200, page_size=61, num_blocks=8, extra_topk=300,
+    case = make_case(fresh_rng(), MODEL1, b=4, s_q=2, h_q=128, topk=200, page_size=61, num_blocks=8, extra_topk=300,
                      extra_page_size=33, extra_num_blocks=16, with_lengths=True, with_sink=True)
     _check(case, plan=_plan(case, num_parts=40))
 
 
 def test_sinks_with_infinities():
-    case = make_case(_rng(), MODEL1, b=2, s_q=1, h_q=16, topk=64, page_size=64, num_blocks=4)
+    case = make_case(fresh_rng(), MODEL1, b=2, s_q=1, h_q=16, topk=64, page_size=64, num_blocks=4)
     sink = np.random.default_rng(0).normal(size=16).astype(np.float32)
     sink[0], sink[1] = np.inf, -np.inf
     case["attn_sink"] = jnp.asarray(sink)
@@ -159,7 +154,7 @@ def test_sinks_with_infinities():
 
 
 def test_empty_rows_and_garbage_indices():
-    rng = _rng()
+    rng = fresh_rng()
     case = make_case(rng, V32, b=3, s_q=2, h_q=64, topk=80, page_size=64, num_blocks=4, with_sink=True)
     n_tokens = 4 * 64
     bad = np.array([-1, -2**31, n_tokens, n_tokens + 7, 2**31 - 1], np.int32)
@@ -174,7 +169,7 @@ def test_empty_rows_and_garbage_indices():
 
 
 def test_duplicates_count_twice():
-    case = make_case(_rng(), V32, b=1, s_q=1, h_q=16, topk=4, page_size=64, num_blocks=2, nan_fill=False)
+    case = make_case(fresh_rng(), V32, b=1, s_q=1, h_q=16, topk=4, page_size=64, num_blocks=2, nan_fill=False)
     case["indices"] = jnp.array([[[5, 5, 9, 9]]], jnp.int32)
     _, lse_dup = _check(case)
     case["indices"] = jnp.array([[[5, 9, -1, -1]]], jnp.int32)
@@ -185,7 +180,7 @@ def test_duplicates_count_twice():
 @pytest.mark.parametrize("num_parts", [1, 3, 17, 64, 300])
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 def test_many_splits(fmt, num_parts):
-    case = make_case(_rng(), fmt, b=3, s_q=2, h_q=64, topk=300, page_size=64, num_blocks=16,
+    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=64, topk=300, page_size=64, num_blocks=16,
                      extra_topk=70 if fmt == MODEL1 else 0, extra_page_size=64, extra_num_blocks=4,
                      with_lengths=True, with_sink=True)
     plan = _plan(_on(case, GPU), num_parts=num_parts)
@@ -196,7 +191,7 @@ def test_many_splits(fmt, num_parts):
 
 def test_default_plan_fits_device():
     """Without num_parts the CUDA planner uses at most SMs / (s_q * head groups) workers."""
-    case = _on(make_case(_rng(), V32, b=40, s_q=2, h_q=128, topk=256, page_size=64, num_blocks=40), GPU)
+    case = _on(make_case(fresh_rng(), V32, b=40, s_q=2, h_q=128, topk=256, page_size=64, num_blocks=40), GPU)
     plan = jax.jit(lambda q, i: jsm.plan_decode(q, i))(case["q"], case["indices"])
     sched = np.asarray(plan.sched)
     used = int(np.sum(sched[:, 0] <= sched[:, 1]))
@@ -206,7 +201,7 @@ def test_default_plan_fits_device():
 
 
 def test_nan_in_unused_slots_never_leaks():
-    case = make_case(_rng(), MODEL1, b=2, s_q=2, h_q=16, topk=64, page_size=64, num_blocks=4, invalid_fraction=0.5)
+    case = make_case(fresh_rng(), MODEL1, b=2, s_q=2, h_q=16, topk=64, page_size=64, num_blocks=4, invalid_fraction=0.5)
     out, lse = _decode(**_on(case, GPU))
     assert not np.any(np.isnan(_np(out)))
     assert not np.any(np.isnan(np.asarray(lse)))
@@ -216,7 +211,7 @@ def test_nan_in_unused_slots_never_leaks():
 def test_nan_code_in_a_valid_entry_poisons_its_row(fmt):
     """SPEC §2: an fp8 NaN code dequantizes to NaN; the whole (request, row) becomes NaN as in
     the reference, and nothing else does."""
-    case = make_case(_rng(), fmt, b=2, s_q=2, h_q=16, topk=64, page_size=64, num_blocks=4, invalid_fraction=0.0,
+    case = make_case(fresh_rng(), fmt, b=2, s_q=2, h_q=16, topk=64, page_size=64, num_blocks=4, invalid_fraction=0.0,
                      duplicates=False)
     idx = np.asarray(case["indices"])
     kv = np.asarray(case["kv_cache"]).copy()
@@ -235,7 +230,7 @@ def test_nan_code_in_a_valid_entry_poisons_its_row(fmt):
 def test_non_power_of_two_v32_scales():
     """V32 readers accept any float32 scale (rounded to bf16 first), huge and tiny ones too (the
     2^20 factor keeps bf16(scale) >= 2^8 after softening: the kernel's two-multiply path)."""
-    rng = _rng()
+    rng = fresh_rng()
     case = make_case(rng, V32, b=2, s_q=2, h_q=64, topk=128, page_size=64, num_blocks=4, invalid_fraction=0.0)
     kv = np.asarray(case["kv_cache"]).copy()
     rows = kv.reshape(-1, 656)
@@ -254,7 +249,7 @@ def test_unscaled_make_case_data(fmt):
     """make_case's own magnitudes (|V| up to ~9): lse within SPEC §5, out within the bound that
     bf16 probabilities allow (2^-9 * max|V| ~ 0.018, SPEC's relative term, and SPEC's
     whole-tensor cosine check)."""
-    case = _on(make_case(_rng(), fmt, b=3, s_q=2, h_q=64, topk=300, page_size=64, num_blocks=16,
+    case = _on(make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=64, topk=300, page_size=64, num_blocks=16,
                          with_lengths=True, with_sink=True), GPU)
     out, lse = _decode(**case, plan=_plan(case, num_parts=7))
     ref_out, ref_lse = _reference(**case)
@@ -271,7 +266,7 @@ def test_unscaled_make_case_data(fmt):
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 def test_gpu_agrees_with_cpu(fmt):
     """Identical inputs and plan on the CUDA and CPU handlers: same results within SPEC §5."""
-    case = make_case(_rng(), fmt, b=3, s_q=2, h_q=64, topk=200, page_size=64, num_blocks=12,
+    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=64, topk=200, page_size=64, num_blocks=12,
                      extra_topk=64 if fmt == MODEL1 else 0, extra_page_size=32, extra_num_blocks=4,
                      with_lengths=True, with_sink=True)
     case = soften(case)
@@ -287,7 +282,7 @@ def test_gpu_agrees_with_cpu(fmt):
 
 
 def test_plan_matches_cpu_plan():
-    case = make_case(_rng(), V32, b=37, s_q=2, h_q=64, topk=500, page_size=64, num_blocks=8, extra_topk=0,
+    case = make_case(fresh_rng(), V32, b=37, s_q=2, h_q=64, topk=500, page_size=64, num_blocks=8, extra_topk=0,
                      with_lengths=True)
     plans = [_plan(_on(case, d), num_parts=23) for d in (GPU, jax.devices("cpu")[0])]
     np.testing.assert_array_equal(np.asarray(plans[0].sched), np.asarray(plans[1].sched))
@@ -295,7 +290,7 @@ def test_plan_matches_cpu_plan():
 
 
 def test_repeated_calls_bit_identical():
-    case = _on(make_case(_rng(), V32, b=3, s_q=2, h_q=128, topk=300, page_size=64, num_blocks=16,
+    case = _on(make_case(fresh_rng(), V32, b=3, s_q=2, h_q=128, topk=300, page_size=64, num_blocks=16,
                          with_lengths=True, with_sink=True), GPU)
     plan = _plan(case, num_parts=19)  # unscaled data: bit-identity does not care
     first = _decode(**case, plan=plan)
@@ -336,7 +331,7 @@ _GRAPH_SCRIPT = textwrap.dedent("""
 def test_command_buffer_matches_eager(tmp_path):
     """The three custom calls inside an XLA command buffer (a CUDA graph) give bit-identical
     results to the same program run thunk by thunk."""
-    case = make_case(_rng(), V32, b=4, s_q=2, h_q=64, topk=256, page_size=64, num_blocks=16,
+    case = make_case(fresh_rng(), V32, b=4, s_q=2, h_q=64, topk=256, page_size=64, num_blocks=16,
                      with_lengths=True, with_sink=True)
     inputs = tmp_path / "in.npz"
     np.savez(inputs, q=np.asarray(case["q"]).view(np.uint16), kv=np.asarray(case["kv_cache"]),
@@ -363,7 +358,7 @@ def test_command_buffer_matches_eager(tmp_path):
 
 def test_inside_scan_and_vmap():
     """A decode step repeated by lax.scan (one plan for all layers) and mapped by vmap."""
-    rng = _rng()
+    rng = fresh_rng()
     layers = [make_case(rng, MODEL1, b=2, s_q=2, h_q=64, topk=96, page_size=64, num_blocks=6, invalid_fraction=0.0,
                         nan_fill=False, sm_scale=None) for _ in range(3)]
     layers = [soften(c) for c in layers]
@@ -395,7 +390,7 @@ def test_inside_scan_and_vmap():
 def test_vmap_mapped_sinks_use_per_request_rows():
     """vmap over per-element sinks: the kernels read one sink row per folded request
     (`sink[r * stride + h]`) in both the direct and the combine epilogue."""
-    rng = _rng()
+    rng = fresh_rng()
     case = soften(make_case(rng, V32, b=3, s_q=2, h_q=64, topk=300, page_size=64, num_blocks=16,
                             with_lengths=True, with_sink=True, sm_scale=None))
     sinks = np.stack([np.asarray(case["attn_sink"]), rng.normal(0, 3, 64).astype(np.float32)])
@@ -416,7 +411,7 @@ def test_vmap_mapped_sinks_use_per_request_rows():
 
 def test_nan_in_used_slot_propagates_through_combine():
     """A referenced token with NaN bytes gives NaN, split or not (the combine keeps NaN pieces)."""
-    case = make_case(_rng(), V32, b=1, s_q=1, h_q=16, topk=256, page_size=64, num_blocks=8, nan_fill=False)
+    case = make_case(fresh_rng(), V32, b=1, s_q=1, h_q=16, topk=256, page_size=64, num_blocks=8, nan_fill=False)
     case["indices"] = jnp.zeros_like(case["indices"])
     case["kv_cache"] = case["kv_cache"].at[0, 0, :].set(0xFF)
     case = _on(case, GPU)

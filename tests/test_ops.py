@@ -9,6 +9,7 @@ import pytest
 import jax_sparse_mla as jsm
 from jax_sparse_mla import reference
 from tests.utils import (
+    fresh_rng,
     assert_lse_close,
     assert_out_close,
     conformance_files,
@@ -32,13 +33,6 @@ def _check(case, plan=None):
     return out, lse
 
 
-def _rng(request):
-    # A fresh seed every run, printed on failure through the test id's hash.
-    seed = np.random.SeedSequence().entropy % (2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 @pytest.mark.parametrize("path", conformance_files(), ids=lambda p: p.stem)
 def test_conformance(path):
     v = load_conformance(path)
@@ -50,13 +44,13 @@ def test_conformance(path):
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 @pytest.mark.parametrize("h_q", [1, 16, 64, 128])
 def test_heads(request, fmt, h_q):
-    case = make_case(_rng(request), fmt, b=2, s_q=2, h_q=h_q, topk=70, page_size=64, num_blocks=8)
+    case = make_case(fresh_rng(), fmt, b=2, s_q=2, h_q=h_q, topk=70, page_size=64, num_blocks=8)
     _check(case)
 
 
 @pytest.mark.parametrize("s_q", [1, 2, 3, 4])
 def test_query_rows(request, s_q):
-    case = make_case(_rng(request), MODEL1, b=3, s_q=s_q, h_q=16, topk=33, page_size=61, num_blocks=5,
+    case = make_case(fresh_rng(), MODEL1, b=3, s_q=s_q, h_q=16, topk=33, page_size=61, num_blocks=5,
                      with_lengths=True)
     _check(case)
 
@@ -65,20 +59,20 @@ def test_query_rows(request, s_q):
 @pytest.mark.parametrize("page_size", [1, 2, 61, 64, 576])
 def test_page_sizes(request, fmt, page_size):
     num_blocks = max(2, 600 // page_size)
-    case = make_case(_rng(request), fmt, b=2, s_q=1, h_q=16, topk=100, page_size=page_size, num_blocks=num_blocks)
+    case = make_case(fresh_rng(), fmt, b=2, s_q=1, h_q=16, topk=100, page_size=page_size, num_blocks=num_blocks)
     _check(case)
 
 
 @pytest.mark.parametrize("topk", [1, 7, 63, 65, 129, 200])
 def test_topk_not_multiple_of_64(request, topk):
-    case = make_case(_rng(request), V32, b=2, s_q=2, h_q=16, topk=topk, page_size=64, num_blocks=6,
+    case = make_case(fresh_rng(), V32, b=2, s_q=2, h_q=16, topk=topk, page_size=64, num_blocks=6,
                      with_lengths=True, with_sink=True)
     _check(case)
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 def test_lengths_zero_and_full(request, fmt):
-    case = make_case(_rng(request), fmt, b=4, s_q=2, h_q=16, topk=90, page_size=32, num_blocks=8)
+    case = make_case(fresh_rng(), fmt, b=4, s_q=2, h_q=16, topk=90, page_size=32, num_blocks=8)
     case["topk_length"] = jnp.array([0, 90, 1000, -5], jnp.int32)  # zero, full, clamped high, clamped low
     out, lse = _check(case)
     assert np.all(np.isinf(np.asarray(lse)[[0, 3]]))
@@ -87,13 +81,13 @@ def test_lengths_zero_and_full(request, fmt):
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 def test_extra_cache(request, fmt):
-    case = make_case(_rng(request), fmt, b=3, s_q=2, h_q=64, topk=50, page_size=64, num_blocks=4,
+    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=64, topk=50, page_size=64, num_blocks=4,
                      extra_topk=150, extra_page_size=17, extra_num_blocks=20, with_lengths=True, with_sink=True)
     _check(case)
 
 
 def test_sinks_with_infinities(request):
-    case = make_case(_rng(request), MODEL1, b=2, s_q=1, h_q=16, topk=64, page_size=64, num_blocks=4)
+    case = make_case(fresh_rng(), MODEL1, b=2, s_q=1, h_q=16, topk=64, page_size=64, num_blocks=4)
     sink = np.random.default_rng(0).normal(size=16).astype(np.float32)
     sink[0], sink[1] = np.inf, -np.inf
     case["attn_sink"] = jnp.asarray(sink)
@@ -102,7 +96,7 @@ def test_sinks_with_infinities(request):
 
 
 def test_empty_rows_and_garbage_indices(request):
-    rng = _rng(request)
+    rng = fresh_rng()
     case = make_case(rng, V32, b=3, s_q=2, h_q=16, topk=80, page_size=64, num_blocks=4)
     n_tokens = 4 * 64
     bad = np.array([-1, -2**31, n_tokens, n_tokens + 7, 2**31 - 1], np.int32)
@@ -116,7 +110,7 @@ def test_empty_rows_and_garbage_indices(request):
 
 
 def test_duplicates_count_twice(request):
-    case = make_case(_rng(request), V32, b=1, s_q=1, h_q=16, topk=4, page_size=64, num_blocks=2, nan_fill=False)
+    case = make_case(fresh_rng(), V32, b=1, s_q=1, h_q=16, topk=4, page_size=64, num_blocks=2, nan_fill=False)
     case["indices"] = jnp.array([[[5, 5, 9, 9]]], jnp.int32)
     _, lse_dup = _check(case)
     case["indices"] = jnp.array([[[5, 9, -1, -1]]], jnp.int32)
@@ -128,7 +122,7 @@ def test_duplicates_count_twice(request):
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 def test_many_splits(request, fmt, num_parts):
     """Plans that cut requests into many pieces exercise the combine pass."""
-    case = make_case(_rng(request), fmt, b=3, s_q=2, h_q=16, topk=300, page_size=64, num_blocks=16,
+    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=16, topk=300, page_size=64, num_blocks=16,
                      extra_topk=70 if fmt == MODEL1 else 0, extra_page_size=64, extra_num_blocks=4,
                      with_lengths=True, with_sink=True)
     plan = jsm.plan_decode(case["q"], case["indices"], topk_length=case.get("topk_length"),
@@ -141,7 +135,7 @@ def test_many_splits(request, fmt, num_parts):
 
 
 def test_plan_reused_across_calls(request):
-    rng = _rng(request)
+    rng = fresh_rng()
     case = make_case(rng, V32, b=2, s_q=2, h_q=16, topk=128, page_size=64, num_blocks=8, with_lengths=True)
     plan = jax.jit(lambda q, i, l: jsm.plan_decode(q, i, topk_length=l, num_parts=9))(
         case["q"], case["indices"], case["topk_length"])
@@ -187,7 +181,7 @@ def test_plan_covers_every_block():
 
 
 def test_input_dtypes_and_rank4_cache(request):
-    case = make_case(_rng(request), V32, b=2, s_q=1, h_q=16, topk=64, page_size=64, num_blocks=4)
+    case = make_case(fresh_rng(), V32, b=2, s_q=1, h_q=16, topk=64, page_size=64, num_blocks=4)
     ref = _decode(**case)
     kv = case["kv_cache"]
     for variant in (kv[:, :, None, :], jax.lax.bitcast_convert_type(kv, jnp.int8),
@@ -198,7 +192,7 @@ def test_input_dtypes_and_rank4_cache(request):
 
 
 def test_nan_in_unused_slots_never_leaks(request):
-    case = make_case(_rng(request), MODEL1, b=2, s_q=2, h_q=16, topk=64, page_size=64, num_blocks=4,
+    case = make_case(fresh_rng(), MODEL1, b=2, s_q=2, h_q=16, topk=64, page_size=64, num_blocks=4,
                      invalid_fraction=0.5)
     out, lse = _decode(**case)
     assert not np.any(np.isnan(np.asarray(out.astype(jnp.float32))))
@@ -206,7 +200,7 @@ def test_nan_in_unused_slots_never_leaks(request):
 
 
 def test_deterministic(request):
-    case = make_case(_rng(request), V32, b=3, s_q=2, h_q=16, topk=200, page_size=64, num_blocks=8,
+    case = make_case(fresh_rng(), V32, b=3, s_q=2, h_q=16, topk=200, page_size=64, num_blocks=8,
                      with_lengths=True)
     plan = jsm.plan_decode(case["q"], case["indices"], topk_length=case["topk_length"], num_parts=7)
     a = _decode(**case, plan=plan)
@@ -227,7 +221,7 @@ def test_build_info():
 def test_nan_in_used_slots_propagates_through_combine(request):
     """Corrupt (NaN) bytes in a slot that IS referenced give NaN, split or not: the combine
     pass must not mistake NaN pieces for empty ones."""
-    case = make_case(_rng(request), V32, b=1, s_q=1, h_q=16, topk=256, page_size=64, num_blocks=8, nan_fill=False)
+    case = make_case(fresh_rng(), V32, b=1, s_q=1, h_q=16, topk=256, page_size=64, num_blocks=8, nan_fill=False)
     case["indices"] = jnp.zeros_like(case["indices"])  # every entry: token 0
     case["kv_cache"] = case["kv_cache"].at[0, 0, :].set(0xFF)  # token 0: NaN codes and scales
     for num_parts in (1, 3):

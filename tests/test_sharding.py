@@ -13,17 +13,11 @@ from jax.sharding import Mesh
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla import reference, sharding
-from tests.utils import assert_lse_close, assert_out_close, make_case
+from tests.utils import assert_lse_close, assert_out_close, fresh_rng, make_case
 
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)")
 _decode = jax.jit(jsm.sparse_mla_decode, static_argnames=("sm_scale",))
 _reference = jax.jit(reference.sparse_mla_decode, static_argnames=("sm_scale",))
-
-
-def _rng():
-    seed = np.random.SeedSequence().entropy % (2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
 
 
 def _cpus(n):
@@ -80,7 +74,7 @@ def _check_hlo(hlo, case, b_local, h_local):
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tensor_parallel_jit(tp):
     """TP over a 128-head layer: 16 heads per device at TP 8."""
-    case = _case(_rng(), b=2)
+    case = _case(fresh_rng(), b=2)
     want = _decode(**case)
     got, hlo = _run_jit(_mesh(_cpus(tp), 1, tp), case, batch_axis=None, head_axis="tp")
     _close(got, want)
@@ -89,7 +83,7 @@ def test_tensor_parallel_jit(tp):
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_data_parallel_jit(dp):
-    case = _case(_rng(), fmt="MODEL1", b=8, h_q=64, extra_topk=32, extra_page_size=16)
+    case = _case(fresh_rng(), fmt="MODEL1", b=8, h_q=64, extra_topk=32, extra_page_size=16)
     want = _decode(**case)
     got, hlo = _run_jit(_mesh(_cpus(dp), dp, 1), case, batch_axis="dp", head_axis=None)
     _close(got, want)
@@ -99,7 +93,7 @@ def test_data_parallel_jit(dp):
 def test_dp_times_tp_jit_with_plans():
     """DP 2 x TP 4, with and without a user plan (re-planned per shard since requests split),
     and TP 8 with a user plan (kept: its worker count shows in the partial buffers)."""
-    rng = _rng()
+    rng = fresh_rng()
     case = _case(rng, b=4, s_q=2)
     want = _reference(**case)
     mesh = _mesh(_cpus(8), 2, 4)
@@ -116,7 +110,7 @@ def test_dp_times_tp_jit_with_plans():
 
 def test_mesh_axes_both_on_batch():
     """Requests split over two mesh axes at once (a tuple entry in the PartitionSpec)."""
-    case = _case(_rng(), b=8, h_q=16)
+    case = _case(fresh_rng(), b=8, h_q=16)
     mesh = _mesh(_cpus(8), 2, 4)
     got, hlo = _run_jit(mesh, case, batch_axis=("dp", "tp"), head_axis=None)
     _close(got, _decode(**case))
@@ -125,7 +119,7 @@ def test_mesh_axes_both_on_batch():
 
 @pytest.mark.parametrize("dp,tp", [(1, 8), (4, 1), (2, 2)])
 def test_shard_map(dp, tp):
-    case = _case(_rng(), b=4)
+    case = _case(fresh_rng(), b=4)
     f = jax.jit(sharding.shard_map_decode(_mesh(_cpus(dp * tp), dp, tp), batch_axis="dp", head_axis="tp"))
     _close(f(**case), _decode(**case))
 
@@ -134,7 +128,7 @@ def test_shard_map(dp, tp):
 def test_data_parallel_own_pools(tp):
     """Each of 4 devices owns a cache pool (and an extra-cache pool) and its requests address
     it with local ids."""
-    rng = _rng()
+    rng = fresh_rng()
     dp = 4
     cases = [make_case(rng, "V32", b=2, s_q=1, h_q=32, topk=64, page_size=32, num_blocks=4, extra_topk=16,
                        with_lengths=True, with_sink=True, sm_scale=0.04) for _ in range(dp)]
@@ -165,7 +159,7 @@ def test_helpers_reject_bad_axes():
 def test_vmap_inside_jit_sharded():
     """vmap over a group axis of requests split DP2 x TP4 under jit: the fold keeps the batch
     split contiguous, so the program has no collective, and the result equals the unsharded op."""
-    rng = _rng()
+    rng = fresh_rng()
     mesh = _mesh(_cpus(8), 2, 4)
     n = 2
     cases = [_case(rng, b=4, h_q=32, nan_fill=False) for _ in range(n)]
@@ -194,7 +188,7 @@ def test_two_gpus(dp, tp):
     gpus = _gpus()
     if len(gpus) < 2:
         pytest.skip("needs 2 GPUs")
-    case = _case(_rng(), b=4)
+    case = _case(fresh_rng(), b=4)
     mesh = _mesh(gpus, dp, tp)
     with jax.default_device(gpus[0]):
         want = _decode(**case)

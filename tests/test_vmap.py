@@ -8,17 +8,11 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla import reference
-from tests.utils import assert_lse_close, assert_out_close, make_case
+from tests.utils import assert_lse_close, assert_out_close, fresh_rng, make_case
 
 N = 3  # mapped elements
 SHAPE = dict(s_q=1, h_q=16, topk=64, page_size=32, num_blocks=4)
 _reference = jax.jit(reference.sparse_mla_decode, static_argnames=("sm_scale",))
-
-
-def _rng():
-    seed = np.random.SeedSequence().entropy % (2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
 
 
 def _close(out, lse, ref_out, ref_lse):
@@ -42,7 +36,7 @@ def _stack(cases, key):
 @pytest.mark.parametrize("fmt", ["V32", "MODEL1"])
 def test_everything_mapped_own_caches(fmt):
     """Each element has its own caches (stacked into one), lengths, sink and extra list."""
-    rng = _rng()
+    rng = fresh_rng()
     cases = [make_case(rng, fmt, b=2, **SHAPE, extra_topk=32, extra_page_size=16, with_lengths=True,
                        with_sink=True, sm_scale=0.05) for _ in range(N)]
     names = [k for k in cases[0] if k != "sm_scale"]
@@ -55,7 +49,7 @@ def test_everything_mapped_own_caches(fmt):
 def test_shared_cache_mapped_requests():
     """One cache shared by all elements (unmapped), requests mapped at a non-leading axis,
     vmapped twice (nested folds)."""
-    rng = _rng()
+    rng = fresh_rng()
     b = 2
     case = make_case(rng, "V32", b=N * 2 * b, **SHAPE, with_lengths=True, with_sink=True, sm_scale=None)
     ref_out, ref_lse = _reference(**case)
@@ -76,7 +70,7 @@ def test_shared_cache_mapped_requests():
 def test_mapped_sink_only():
     """Only attn_sink is mapped (per-element sinks, e.g. a stack of layers): the kernel gets one
     sink row per folded request; infinite sinks and empty rows keep SPEC 4.1 / 4.3."""
-    rng = _rng()
+    rng = fresh_rng()
     case = make_case(rng, "MODEL1", b=4, **SHAPE, with_lengths=True, with_sink=True, empty_row=True,
                      sm_scale=None)
     sinks = np.stack([np.asarray(case["attn_sink"]), rng.normal(0, 3, 16).astype(np.float32),
@@ -92,7 +86,7 @@ def test_mapped_sink_only():
 def test_plans_under_vmap():
     """plan_decode under vmap gives one plan per element; a plan passed into a vmapped decode
     (mapped or not) is replaced by one for the folded batch, keeping its worker count."""
-    rng = _rng()
+    rng = fresh_rng()
     cases = [make_case(rng, "V32", b=2, **SHAPE, with_lengths=True, sm_scale=None) for _ in range(N)]
     q, kv, idx, lens = (_stack(cases, k) for k in ("q", "kv_cache", "indices", "topk_length"))
 
@@ -128,7 +122,7 @@ def test_mapped_cache_too_large_for_int32():
 
 @pytest.mark.parametrize("fmt", ["V32", "MODEL1"])
 def test_write_kv_vmap(fmt):
-    rng = _rng()
+    rng = fresh_rng()
     d_qk = 576 if fmt == "V32" else 512
     nbytes = 656 if fmt == "V32" else 584
     caches = jnp.asarray(rng.integers(0, 255, (N, 3, 8, nbytes), dtype=np.uint8))

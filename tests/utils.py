@@ -478,3 +478,10 @@ def soften(case, shift=SOFTEN_SHIFT):
         if key in case:
             case[key] = jnp.asarray(_scale_cache(np.asarray(case[key]), fmt, shift))
     return case
+
+
+def fresh_rng():
+    """A generator with a fresh seed every run; the seed is printed, so a failure shows it."""
+    seed = np.random.SeedSequence().entropy % (2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
