@@ -1,0 +1,558 @@
+// jsm_decode's kernel on Hopper: warp-specialized, wgmma.
+//
+// One CTA of 384 threads (three warpgroups) per (worker, query row, group of 64 heads),
+// one CTA per SM. For each block of 64 list entries (SPEC §6):
+//   warpgroup 2 (producer): loads the entries' cache bytes into registers, dequantizes
+//     them (exact SPEC §2 rule) and stores the bf16 K tile into one of two shared
+//     buffers, then signals the buffer's `full` mbarrier. Its loads for block j+1 are
+//     in flight while the consumers work on block j.
+//   warpgroup 0: S = Q K^T (wgmma, both from smem), online softmax in base 2, P rounded
+//     to bf16 (registers and smem), O[:, 0:256] = alpha O + P V with P from registers.
+//   warpgroup 1: O[:, 256:512] = alpha O + P V with P and alpha from smem.
+//   Both consumers arrive on the buffer's `empty` mbarrier once their MMAs have read it.
+// At the end of a request's piece both consumers write their half of the output
+// columns: out/lse (one piece) or the fp32 partials for the combine pass.
+// Invalid entries are never read: their rows are zeros and their logits -inf.
+#include "cuda/decode_common.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace jsm {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 384;
+constexpr int kWarpgroup = 128;
+constexpr int kConsumers = 256;
+// Registers per thread after reallocation; the launch gives 168 (65536 / 384, a multiple
+// of 8), and 128 * (192 + 160 + 152) = 384 * 168.
+constexpr int kRegsQK = 192;
+constexpr int kRegsPV = 160;
+constexpr int kRegsProducer = 152;
+// Named barriers (0 is __syncthreads).
+constexpr int kBarPReady = 1;    // WG0 -> WG1: P and alpha of this block are in smem
+constexpr int kBarPFree = 2;     // WG1 -> WG0: done reading them
+constexpr int kBarPieceEnd = 3;  // both: the final row factors are in smem
+constexpr int kBarQReady = 4;    // WG0: every thread's Q copies have landed
+
+template <KVFormat F>
+struct Fmt;
+
+template <>
+struct Fmt<KVFormat::kV32> {
+  static constexpr int kDqk = 576;
+  static constexpr int kNope = 512;
+  static constexpr int kNopeSpans = 8;    // 64-byte spans of codes per token
+  static constexpr int kRopeOffset = 528;
+  static constexpr int kScaleOffset = 512;
+};
+
+template <>
+struct Fmt<KVFormat::kModel1> {
+  static constexpr int kDqk = 512;
+  static constexpr int kNope = 448;
+  static constexpr int kNopeSpans = 7;
+  static constexpr int kRopeOffset = 448;
+  static constexpr int kScaleOffset = 0;  // unused: scales live in the page's region B
+};
+
+// Shared memory. Q, the two K tiles and P use the interleaved operand layout of
+// wgmma.cuh: element (row, col) at (col / 8) * 64 * 16 + row * 16 + (col % 8) * 2.
+template <KVFormat F>
+struct Smem {
+  static constexpr int kGroupStride = kRows * 16;  // bytes per column group (64 rows)
+  static constexpr int kTile = Fmt<F>::kDqk * kRows * 2;
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kTile;  // two buffers
+  static constexpr int kP = kK + 2 * kTile;
+  static constexpr int kAlpha = kP + kTokens * kRows * 2;  // 64 floats
+  static constexpr int kFinal = kAlpha + kRows * 4;        // 2 x 64 floats (by piece parity)
+  static constexpr int kValid = kFinal + 2 * kRows * 4;    // 2 x 64-bit masks
+  static constexpr int kFull = kValid + 2 * 8;             // 2 mbarriers
+  static constexpr int kEmpty = kFull + 2 * 8;             // 2 mbarriers
+  static constexpr int kBytes = kEmpty + 2 * 8;
+  static_assert(kBytes <= 232448, "shared memory over the sm_90 per-block limit");
+};
+
+struct Work {
+  int begin_req, end_req, begin_block, end_block, begin_split;
+};
+
+// Keeps the compiler from reading, moving or reusing registers a wgmma in flight owns
+// (accumulators, register A fragments) between its issue and its wait.
+template <int N>
+__device__ __forceinline__ void pin(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <int N>
+__device__ __forceinline__ void pin(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) r[i] = 0.f;
+}
+
+// ---- producer ----
+
+// One token's share of a producer thread: 16 bytes of each 64-byte span of codes, 16
+// bytes of each half of the RoPE part, and the token's scales.
+template <KVFormat F>
+struct RawToken {
+  uint4 nope[Fmt<F>::kNopeSpans];
+  uint4 rope[2];
+  uint4 scales;  // V32: 4 float32; MODEL1: 8 UE8M0 bytes in .x, .y
+};
+
+__device__ __forceinline__ uint4 load16(const uint8_t* src, int a16) {
+  if (a16) return __ldg(reinterpret_cast<const uint4*>(src));
+  const uint2 lo = __ldg(reinterpret_cast<const uint2*>(src));
+  const uint2 hi = __ldg(reinterpret_cast<const uint2*>(src + 8));
+  return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+
+template <KVFormat F>
+__device__ __forceinline__ void load_token(const TokenRef& t, int q4, bool skip, RawToken<F>& raw) {
+  if (!t.valid || skip) {
+#pragma unroll
+    for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) raw.nope[i] = make_uint4(0, 0, 0, 0);
+    raw.rope[0] = raw.rope[1] = raw.scales = make_uint4(0, 0, 0, 0);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) raw.nope[i] = load16(t.data + 64 * i + 16 * q4, t.a16);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) raw.rope[r] = load16(t.data + Fmt<F>::kRopeOffset + 64 * r + 16 * q4, t.a16);
+  if (F == KVFormat::kV32) {
+    raw.scales = load16(t.data + Fmt<F>::kScaleOffset, t.a16);
+  } else {
+    const uint2 b = __ldg(reinterpret_cast<const uint2*>(t.scales));
+    raw.scales = make_uint4(b.x, b.y, 0, 0);
+  }
+}
+
+// Scale of span i (SPEC §2: V32 scales are rounded to bf16 first; UE8M0 are exact).
+template <KVFormat F>
+__device__ __forceinline__ float span_scale(const uint4& scales, int i) {
+  if (F == KVFormat::kV32) {
+    const uint32_t w = (i >> 1) == 0 ? scales.x : (i >> 1) == 1 ? scales.y : (i >> 1) == 2 ? scales.z : scales.w;
+    return bf16_bits_to_float(float_to_bf16_bits(__uint_as_float(w)));
+  } else {
+    const uint32_t w = i < 4 ? scales.x : scales.y;
+    return ue8m0_to_float(static_cast<uint8_t>(w >> (8 * (i & 3))));
+  }
+}
+
+// Dequantizes the thread's share of one token into row `tok` of the K tile at `kt`.
+template <KVFormat F>
+__device__ __forceinline__ void store_token(const RawToken<F>& raw, uint8_t* kt, int tok, int q4) {
+  constexpr int GS = Smem<F>::kGroupStride;
+  uint8_t* dst = kt + tok * 16;
+#pragma unroll
+  for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) {
+    const ScaleMul sm = scale_mul(span_scale<F>(raw.scales, i));
+    uint32_t nan_acc = 0;
+    uint4 o0, o1;
+    if (!sm.slow) {
+      dequant16<false>(raw.nope[i], sm.mul2, o0, o1, nan_acc);
+    } else {
+      dequant16<true>(raw.nope[i], sm.mul2, o0, o1, nan_acc);
+    }
+    // A NaN code: one NaN in the token's row makes its logit (and the row's output) NaN.
+    if (nan_acc & 0x80808080u) o0.x = (o0.x & 0xffff0000u) | 0x7fc0u;
+    const int g = 8 * i + 2 * q4;
+    *reinterpret_cast<uint4*>(dst + g * GS) = o0;
+    *reinterpret_cast<uint4*>(dst + (g + 1) * GS) = o1;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) *reinterpret_cast<uint4*>(dst + (Fmt<F>::kNope / 8 + 4 * r + q4) * GS) = raw.rope[r];
+}
+
+// Producer thread t (0..127) handles entries slot and slot + 32 of every block, 16 bytes
+// of each 64-byte span (q4): a warp instruction reads 64 contiguous bytes of 8 tokens
+// and writes 4 x 128 contiguous bytes of the tile.
+template <KVFormat F>
+__device__ __forceinline__ void produce(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
+  using L = Smem<F>;
+  const int t = threadIdx.x - kConsumers;
+  const int pw = t >> 5;
+  const int lane = t & 31;
+  const int slot = 8 * pw + (lane & 7);
+  const int q4 = lane >> 3;
+  const bool skip_loads = p.debug & 1;
+  uint8_t* valid_bytes = smem + L::kValid;
+
+  Cursor cur;
+  cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  TokenRef tk0 = fetch_token<F>(cur, p, s, w.end_req, slot);
+  TokenRef tk1 = fetch_token<F>(cur, p, s, w.end_req, slot + 32);
+  for (int n = 0;; ++n) {
+    RawToken<F> raw0, raw1;
+    load_token<F>(tk0, q4, skip_loads, raw0);
+    load_token<F>(tk1, q4, skip_loads, raw1);
+    Cursor nx = cur;
+    cursor_advance(nx, p, w.end_req, w.end_block);
+    const TokenRef tn0 = fetch_token<F>(nx, p, s, w.end_req, slot);
+    const TokenRef tn1 = fetch_token<F>(nx, p, s, w.end_req, slot + 32);
+
+    const int buf = n & 1;
+    mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);
+    uint8_t* kt = smem + L::kK + buf * L::kTile;
+    store_token<F>(raw0, kt, slot, q4);
+    store_token<F>(raw1, kt, slot + 32, q4);
+    const uint32_t v0 = __ballot_sync(0xffffffffu, tk0.valid) & 0xffu;  // lanes 0..7: entries 8 pw ..
+    const uint32_t v1 = __ballot_sync(0xffffffffu, tk1.valid) & 0xffu;
+    if (lane == 0) {
+      valid_bytes[8 * buf + pw] = static_cast<uint8_t>(v0);
+      valid_bytes[8 * buf + 4 + pw] = static_cast<uint8_t>(v1);
+    }
+    fence_proxy_async();
+    mbar_arrive(sb + L::kFull + 8 * buf);
+
+    if (nx.r > w.end_req) break;
+    cur = nx;
+    tk0 = tn0;
+    tk1 = tn1;
+  }
+}
+
+// ---- consumers ----
+
+// Q rows of heads 64 hg .. 64 hg + 63 for (request r, query row s); rows past h_q are
+// zeros. Issued by WG0's 128 threads; completion is awaited before the next QK.
+template <KVFormat F>
+__device__ __forceinline__ void load_q(const Params& p, int r, int s, int hg, uint32_t q_s, int t) {
+  constexpr int kGroups = Fmt<F>::kDqk / 8;
+  const int64_t base = (static_cast<int64_t>(r) * p.s_q + s) * p.h_q;
+  for (int id = t; id < kRows * kGroups; id += kWarpgroup) {
+    const int row = id % kRows;
+    const int g = id / kRows;
+    const int h = hg * kRows + row;
+    const bool ok = h < p.h_q;
+    const uint16_t* src = ok ? p.q + (base + h) * Fmt<F>::kDqk + 8 * g : p.q;
+    cp_async_16(q_s + g * Smem<F>::kGroupStride + row * 16, src, ok ? 16u : 0u);
+  }
+  cp_async_commit();
+}
+
+struct PieceOut {
+  int r, pieces;
+  int64_t slot;  // partial slot (pieces > 1)
+};
+
+__device__ __forceinline__ PieceOut piece_out(const Params& p, const Work& w, int r) {
+  const int first_slot = p.num_splits[r];
+  PieceOut po;
+  po.r = r;
+  po.pieces = p.num_splits[r + 1] - first_slot;
+  po.slot = first_slot + (r == w.begin_req ? w.begin_split : 0);
+  return po;
+}
+
+// Writes a consumer's 64 x 256 half of O (columns col0 ..), rows scaled by f.
+__device__ __forceinline__ void store_o(const Params& p, const float (&o)[128], const float (&f)[2],
+                                        const PieceOut& po, int s, int hg, int r0, int c, int col0) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int h = hg * kRows + r0 + 8 * hf;
+    if (h >= p.h_q) continue;
+    if (po.pieces == 1) {
+      uint16_t* dst = p.out + ((static_cast<int64_t>(po.r) * p.s_q + s) * p.h_q + h) * kDimV + col0 + 2 * c;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack_bf16x2(o[4 * j + 2 * hf] * f[hf], o[4 * j + 2 * hf + 1] * f[hf]);
+    } else {
+      float* dst = p.out_accum + ((po.slot * p.s_q + s) * p.h_q + h) * kDimV + col0 + 2 * c;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * hf] * f[hf], o[4 * j + 2 * hf + 1] * f[hf]);
+    }
+  }
+}
+
+template <KVFormat F>
+__device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s, int hg, uint32_t sb, uint8_t* smem) {
+  using L = Smem<F>;
+  const int t = threadIdx.x;
+  const int lane = t & 31;
+  const int c = lane & 3;
+  const int r0 = 16 * (t >> 5) + (lane >> 2);  // this thread's rows: r0, r0 + 8
+  float* alpha_s = reinterpret_cast<float*>(smem + L::kAlpha);
+  float* final_s = reinterpret_cast<float*>(smem + L::kFinal);
+  const uint64_t* valid_s = reinterpret_cast<const uint64_t*>(smem + L::kValid);
+  uint8_t* p_s = smem + L::kP;
+  const bool skip_mma = p.debug & 2;
+
+  Cursor cur;
+  cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  load_q<F>(p, cur.r, s, hg, sb + L::kQ, t);
+  bool q_pending = true;
+  bool first = true;  // first block of a piece
+  int parity = 0;     // piece parity (final_s buffer)
+  float o[128];
+  zero(o);
+  float m[2] = {kInitMax, kInitMax};
+  float l[2] = {0.f, 0.f};
+
+  for (int n = 0;; ++n) {
+    Cursor nx = cur;
+    cursor_advance(nx, p, w.end_req, w.end_block);
+    const bool last = nx.r != cur.r;
+    const int buf = n & 1;
+    const uint32_t k_s = sb + L::kK + buf * L::kTile;
+
+    if (q_pending) {
+      cp_async_wait_all();
+      fence_proxy_async();
+      named_bar_sync(kBarQReady, kWarpgroup);
+      q_pending = false;
+    }
+    mbar_wait(sb + L::kFull + 8 * buf, (n >> 1) & 1);
+
+    // S = Q K^T
+    float sacc[32];
+    zero(sacc);
+    if (!skip_mma) {
+      pin(sacc);
+      wgmma_fence();
+      const uint64_t dq = desc_k_major(sb + L::kQ, kRows);
+      const uint64_t dk = desc_k_major(k_s, kTokens);
+#pragma unroll
+      for (int ks = 0; ks < Fmt<F>::kDqk / 16; ++ks)
+        wgmma_m64n64k16_ss(sacc, dq + static_cast<uint64_t>(ks * 2 * L::kGroupStride / 16),
+                           dk + static_cast<uint64_t>(ks * 2 * L::kGroupStride / 16), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(sacc);
+    }
+    if (last && nx.r <= w.end_req) {  // Q is free: fetch the next request's
+      load_q<F>(p, nx.r, s, hg, sb + L::kQ, t);
+      q_pending = true;
+    }
+
+    // Online softmax (base 2) over this thread's 2 rows x 16 entries.
+    const uint64_t vm = valid_s[buf] >> (2 * c);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int col = 8 * (i >> 2) + (i & 1);
+      sacc[i] = ((vm >> col) & 1) ? sacc[i] * p.scale_log2 : -INFINITY;
+    }
+    float alpha[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 32; ++i)
+        if (((i >> 1) & 1) == hf) mx = fmaxf(mx, sacc[i]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[hf], mx);
+      alpha[hf] = exp2f(m[hf] - m_new);
+      m[hf] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 32; ++i)
+        if (((i >> 1) & 1) == hf) {
+          sacc[i] = exp2f(sacc[i] - m_new);
+          sum += sacc[i];
+        }
+      l[hf] = l[hf] * alpha[hf] + sum;  // this thread's 16 entries; the quad is summed at the end
+    }
+
+    // P in bf16: A fragments of the 4 k-steps (16 entries each) and the smem copy for WG1.
+    uint32_t pf[16];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pf[4 * ks + e] = pack_bf16x2(sacc[8 * ks + 2 * e], sacc[8 * ks + 2 * e + 1]);
+    if (!first) named_bar_sync(kBarPFree, kConsumers);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int grp = 2 * ks + (e >> 1);  // entries 8 grp .. 8 grp + 7
+        const int row = r0 + 8 * (e & 1);
+        *reinterpret_cast<uint32_t*>(p_s + grp * L::kGroupStride + row * 16 + 4 * c) = pf[4 * ks + e];
+      }
+    if (c == 0) {
+      alpha_s[r0] = alpha[0];
+      alpha_s[r0 + 8] = alpha[1];
+    }
+    fence_proxy_async();
+    named_bar_arrive(kBarPReady, kConsumers);
+
+    // O[:, 0:256] = alpha O + P V
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
+    if (!skip_mma) {
+      pin(o);
+      wgmma_fence();
+      const uint64_t dv = desc_n_major(k_s, kTokens);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) wgmma_m64n256k16_rs_tb(o, pf + 4 * ks, dv + static_cast<uint64_t>(ks * 16), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(o);
+      pin(pf);
+    }
+    mbar_arrive(sb + L::kEmpty + 8 * buf);
+
+    first = last;
+    if (last) {
+      const PieceOut po = piece_out(p, w, cur.r);
+      float f[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float sum = l[hf] + __shfl_xor_sync(0xffffffffu, l[hf], 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int row = r0 + 8 * hf;
+        const int h = hg * kRows + row;
+        const bool empty = sum == 0.f;
+        f[hf] = empty ? 0.f : 1.f / sum;
+        if (po.pieces == 1) {
+          const float lse_nat = empty ? INFINITY : (log2f(sum) + m[hf]) * kLn2;
+          if (p.has_sink && !empty && h < p.h_q)
+            f[hf] *= 1.f / (1.f + expf(p.attn_sink[po.r * p.sink_stride + h] - lse_nat));
+          if (c == 0 && h < p.h_q) p.lse[(static_cast<int64_t>(po.r) * p.h_q + h) * p.s_q + s] = lse_nat;
+        } else if (c == 0 && h < p.h_q) {
+          p.lse_accum[(po.slot * p.s_q + s) * p.h_q + h] = empty ? -INFINITY : log2f(sum) + m[hf];
+        }
+        if (c == 0) final_s[parity * kRows + row] = f[hf];
+        m[hf] = kInitMax;
+        l[hf] = 0.f;
+      }
+      named_bar_sync(kBarPieceEnd, kConsumers);
+      store_o(p, o, f, po, s, hg, r0, c, 0);
+      zero(o);
+      parity ^= 1;
+    }
+    if (nx.r > w.end_req) break;
+    cur = nx;
+  }
+}
+
+template <KVFormat F>
+__device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s, int hg, uint32_t sb, uint8_t* smem) {
+  using L = Smem<F>;
+  const int t = threadIdx.x - kWarpgroup;
+  const int lane = t & 31;
+  const int c = lane & 3;
+  const int r0 = 16 * (t >> 5) + (lane >> 2);
+  const float* alpha_s = reinterpret_cast<const float*>(smem + L::kAlpha);
+  const float* final_s = reinterpret_cast<const float*>(smem + L::kFinal);
+  const bool skip_mma = p.debug & 2;
+
+  Cursor cur;
+  cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  int parity = 0;
+  float o[128];
+  zero(o);
+
+  for (int n = 0;; ++n) {
+    Cursor nx = cur;
+    cursor_advance(nx, p, w.end_req, w.end_block);
+    const bool last = nx.r != cur.r;
+    const int buf = n & 1;
+    const uint32_t k_s = sb + L::kK + buf * L::kTile;
+
+    named_bar_sync(kBarPReady, kConsumers);
+    mbar_wait(sb + L::kFull + 8 * buf, (n >> 1) & 1);  // (already complete: makes K visible here too)
+    const float a0 = alpha_s[r0];
+    const float a1 = alpha_s[r0 + 8];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] *= ((i >> 1) & 1) ? a1 : a0;
+    if (!skip_mma) {
+      pin(o);
+      wgmma_fence();
+      const uint64_t dp_ = desc_k_major(sb + L::kP, kRows);
+      const uint64_t dv = desc_n_major(k_s + 32 * L::kGroupStride, kTokens);  // value columns 256..511
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        wgmma_m64n256k16_ss_tb(o, dp_ + static_cast<uint64_t>(ks * 2 * L::kGroupStride / 16),
+                               dv + static_cast<uint64_t>(ks * 16), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(o);
+    }
+    mbar_arrive(sb + L::kEmpty + 8 * buf);
+
+    if (!last) {
+      named_bar_arrive(kBarPFree, kConsumers);
+    } else {
+      const PieceOut po = piece_out(p, w, cur.r);
+      named_bar_sync(kBarPieceEnd, kConsumers);
+      const float f[2] = {final_s[parity * kRows + r0], final_s[parity * kRows + r0 + 8]};
+      store_o(p, o, f, po, s, hg, r0, c, 256);
+      zero(o);
+      parity ^= 1;
+    }
+    if (nx.r > w.end_req) break;
+    cur = nx;
+  }
+}
+
+template <KVFormat F>
+__global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
+  using L = Smem<F>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int worker = blockIdx.x;
+  const int s = blockIdx.y;
+  const int hg = blockIdx.z;
+  const int32_t* row = p.sched + static_cast<int64_t>(worker) * kSchedFields;
+  const Work w{row[kBeginReq], row[kEndReq], row[kBeginBlock], row[kEndBlock], row[kBeginSplit]};
+  if (w.begin_req > w.end_req) return;  // an idle worker (the whole CTA, before any barrier)
+
+  const uint32_t sb = smem_u32(smem);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(sb + L::kFull + 8 * i, kWarpgroup);
+      mbar_init(sb + L::kEmpty + 8 * i, kConsumers);
+    }
+  }
+  __syncthreads();
+
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
+  if (wg == 2) {
+    setmaxnreg_dec<kRegsProducer>();
+    produce<F>(p, w, s, sb, smem);
+  } else if (wg == 0) {
+    setmaxnreg_inc<kRegsQK>();
+    consume_qk<F>(p, w, s, hg, sb, smem);
+  } else {
+    setmaxnreg_dec<kRegsPV>();
+    consume_pv<F>(p, w, s, hg, sb, smem);
+  }
+}
+
+template <KVFormat F>
+ffi::Error launch_kernel(const DecodeProblem& dp, cudaStream_t stream) {
+  constexpr int kSmem = Smem<F>::kBytes;
+  static bool configured[64] = {};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return cuda_failure("cudaGetDevice", e);
+  if (dev < 0 || dev >= 64 || !configured[dev]) {
+    e = cudaFuncSetAttribute(decode_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e != cudaSuccess) return cuda_failure("cudaFuncSetAttribute(decode_kernel)", e);
+    if (dev >= 0 && dev < 64) configured[dev] = true;
+  }
+  const Params p = make_params(dp);
+  const dim3 grid(dp.num_parts, dp.s_q, (dp.h_q + kRows - 1) / kRows);
+  decode_kernel<F><<<grid, kThreads, kSmem, stream>>>(p);
+  return check_launch("decode_kernel (wgmma)");
+}
+
+}  // namespace
+
+ffi::Error launch_wgmma(const DecodeProblem& dp, cudaStream_t stream) {
+  if (dp.format == KVFormat::kV32) return launch_kernel<KVFormat::kV32>(dp, stream);
+  return launch_kernel<KVFormat::kModel1>(dp, stream);
+}
+
+}  // namespace cuda
+}  // namespace jsm
