@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
 # Logs go to $OUT (the device tool brings them back); a short summary is printed last.
-#   STAGES="build smoke pytest bench sanitize racecheck" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+#   STAGES="build smoke pytest bench diag ncu sanitize racecheck" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jsm_out}
@@ -68,6 +68,16 @@ if has diag; then  # where the time goes: 1 = no gathers, 2 = no MMAs, 3 = neith
       --no-xla --no-reference --iters 5 2>&1 | grep -E "^\| v|^\| m" | sed "s/^/mode $m: /" | tee -a "$OUT/bench.log"
   done
   python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1
+fi
+
+if has ncu; then  # hardware counters and per-instruction stall samples of one decode launch
+  stamp ncu
+  timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel -c 1 --set full -o "$OUT/prof" -f \
+    python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
+    --iters 1 >"$OUT/ncu.log" 2>&1
+  ncu -i "$OUT/prof.ncu-rep" --page details >"$OUT/ncu_details.txt" 2>&1
+  ncu -i "$OUT/prof.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_source.csv" 2>&1
+  summary+=("ncu: $(wc -l <"$OUT/ncu_details.txt") detail lines, $(wc -l <"$OUT/ncu_source.csv") source lines")
 fi
 
 if has sanitize; then
