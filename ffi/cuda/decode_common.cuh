@@ -129,41 +129,57 @@ struct TokenRef {
   int a16;  // 16-byte copies possible
 };
 
-template <KVFormat F>
-__device__ __forceinline__ TokenRef fetch_token(const Cursor& c, const Params& p, int s, int end_req, int tok) {
-  TokenRef t{p.kv, p.kv, 0, 1};
-  if (c.r > end_req) return t;
+// A list entry's index as loaded (kind 0: no entry; 1: main list; 2: extra list), kept
+// apart from the address math so that a loop can load indices a block ahead.
+struct EntryIndex {
+  int idx;
+  int kind;
+};
+
+__device__ __forceinline__ EntryIndex load_entry(const Cursor& c, const Params& p, int s, int end_req, int tok) {
+  EntryIndex x{0, 0};
+  if (c.r > end_req) return x;
   const BlockSpan sp = block_span(c.blk, c.mlen, c.elen);
   const int e = sp.begin + tok;
-  if (e < sp.end) {
-    int idx;
-    int64_t ntok;
-    if (sp.extra) {
-      idx = __ldg(p.extra_indices + (static_cast<int64_t>(c.r) * p.s_q + s) * p.extra_topk + e);
-      ntok = p.extra_num_tokens;
-    } else {
-      idx = __ldg(p.indices + (static_cast<int64_t>(c.r) * p.s_q + s) * p.topk + e);
-      ntok = p.num_tokens;
-    }
-    t.valid = idx >= 0 && static_cast<int64_t>(idx) < ntok;
-    if (t.valid) {
-      const uint8_t* cache = sp.extra ? p.extra_kv : p.kv;
-      t.a16 = sp.extra ? p.extra_align16 : p.kv_align16;
-      if (F == KVFormat::kV32) {
-        t.data = cache + static_cast<int64_t>(idx) * V32Layout::kBytesPerToken;
-        t.scales = t.data;
-      } else {
-        const int64_t ps = sp.extra ? p.extra_page_size : p.page_size;
-        const uint32_t ups = static_cast<uint32_t>(ps);
-        const uint32_t page = static_cast<uint32_t>(idx) / ups;
-        const uint32_t slot = static_cast<uint32_t>(idx) - page * ups;
-        const uint8_t* pb = cache + static_cast<int64_t>(page) * ps * Model1Layout::kBytesPerToken;
-        t.data = pb + static_cast<int64_t>(slot) * Model1Layout::kDataBytes;
-        t.scales = pb + ps * Model1Layout::kDataBytes + static_cast<int64_t>(slot) * Model1Layout::kScaleBytes;
-      }
-    }
+  if (e >= sp.end) return x;
+  if (sp.extra) {
+    x.idx = __ldg(p.extra_indices + (static_cast<int64_t>(c.r) * p.s_q + s) * p.extra_topk + e);
+    x.kind = 2;
+  } else {
+    x.idx = __ldg(p.indices + (static_cast<int64_t>(c.r) * p.s_q + s) * p.topk + e);
+    x.kind = 1;
+  }
+  return x;
+}
+
+template <KVFormat F>
+__device__ __forceinline__ TokenRef resolve_entry(const EntryIndex& x, const Params& p) {
+  TokenRef t{p.kv, p.kv, 0, 1};
+  if (x.kind == 0) return t;
+  const bool extra = x.kind == 2;
+  const int idx = x.idx;
+  t.valid = idx >= 0 && static_cast<int64_t>(idx) < (extra ? p.extra_num_tokens : p.num_tokens);
+  if (!t.valid) return t;
+  const uint8_t* cache = extra ? p.extra_kv : p.kv;
+  t.a16 = extra ? p.extra_align16 : p.kv_align16;
+  if (F == KVFormat::kV32) {
+    t.data = cache + static_cast<int64_t>(idx) * V32Layout::kBytesPerToken;
+    t.scales = t.data;
+  } else {
+    const int64_t ps = extra ? p.extra_page_size : p.page_size;
+    const uint32_t ups = static_cast<uint32_t>(ps);
+    const uint32_t page = static_cast<uint32_t>(idx) / ups;
+    const uint32_t slot = static_cast<uint32_t>(idx) - page * ups;
+    const uint8_t* pb = cache + static_cast<int64_t>(page) * ps * Model1Layout::kBytesPerToken;
+    t.data = pb + static_cast<int64_t>(slot) * Model1Layout::kDataBytes;
+    t.scales = pb + ps * Model1Layout::kDataBytes + static_cast<int64_t>(slot) * Model1Layout::kScaleBytes;
   }
   return t;
+}
+
+template <KVFormat F>
+__device__ __forceinline__ TokenRef fetch_token(const Cursor& c, const Params& p, int s, int end_req, int tok) {
+  return resolve_entry<F>(load_entry(c, p, s, end_req, tok), p);
 }
 
 // ---- dequantization (SPEC §2) ----
@@ -202,15 +218,21 @@ __device__ __forceinline__ uint32_t fp8x2_raw(uint32_t w, uint32_t sel) {
   return (a & 0x80008000u) | ((a >> 4) & 0x07f007f0u);
 }
 
+// Bit 7 of a byte of the result is set iff that byte of one of the 16 codes is a NaN code.
+__device__ __forceinline__ uint32_t nan_flags(const uint4 w) {
+  return ((w.x & 0x7f7f7f7fu) + 0x01010101u) | ((w.y & 0x7f7f7f7fu) + 0x01010101u) |
+         ((w.z & 0x7f7f7f7fu) + 0x01010101u) | ((w.w & 0x7f7f7f7fu) + 0x01010101u);
+}
+
 // 16 codes -> 16 bf16 (two 16-byte vectors). kSlow: multiply by 2^120 first (exact),
 // then by `mul2` = bf16(scale); otherwise `mul2` = bf16(scale) * 2^120 (one rounding).
+// NaN codes come out finite here: callers check nan_flags.
 template <bool kSlow>
-__device__ __forceinline__ void dequant16(const uint4 w, uint32_t mul2, uint4& o0, uint4& o1, uint32_t& nan_acc) {
+__device__ __forceinline__ void dequant16(const uint4 w, uint32_t mul2, uint4& o0, uint4& o1) {
   const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
   uint32_t r[8];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    nan_acc |= (ws[i] & 0x7f7f7f7fu) + 0x01010101u;
     r[2 * i] = fp8x2_raw(ws[i], 0x1404u);
     r[2 * i + 1] = fp8x2_raw(ws[i], 0x3424u);
   }
@@ -223,8 +245,6 @@ __device__ __forceinline__ void dequant16(const uint4 w, uint32_t mul2, uint4& o
   o0 = make_uint4(r[0], r[1], r[2], r[3]);
   o1 = make_uint4(r[4], r[5], r[6], r[7]);
 }
-
-// V32 quarter: 8 chunks of one tile, loads batched 4 at a time ahead of the math.
 
 }  // namespace cuda
 }  // namespace jsm

@@ -120,7 +120,8 @@ __device__ __forceinline__ void dequant_v32_tile(const uint8_t* src, uint8_t* ds
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       uint4 o0, o1;
-      dequant16<kSlow>(w[c], mul2, o0, o1, nan_acc);
+      nan_acc |= nan_flags(w[c]);
+      dequant16<kSlow>(w[c], mul2, o0, o1);
       *reinterpret_cast<uint4*>(dst + 32 * (4 * h + c)) = o0;
       *reinterpret_cast<uint4*>(dst + 32 * (4 * h + c) + 16) = o1;
     }
@@ -164,10 +165,11 @@ __device__ __forceinline__ void dequant_block(const uint8_t* raw, uint8_t* kbf, 
     for (int c = 0; c < 7; ++c) {
       const int b0 = 112 * qr + 16 * c;
       uint4 o0, o1;
+      nan_acc |= nan_flags(w[c]);
       if (!any_slow || !sm[c].slow) {
-        dequant16<false>(w[c], sm[c].mul2, o0, o1, nan_acc);
+        dequant16<false>(w[c], sm[c].mul2, o0, o1);
       } else {
-        dequant16<true>(w[c], sm[c].mul2, o0, o1, nan_acc);
+        dequant16<true>(w[c], sm[c].mul2, o0, o1);
       }
       *reinterpret_cast<uint4*>(dst + 2 * b0) = o0;
       *reinterpret_cast<uint4*>(dst + 2 * b0 + 16) = o1;

@@ -2,10 +2,11 @@
 //
 // One CTA of 384 threads (three warpgroups) per (worker, query row, group of 64 heads),
 // one CTA per SM. For each block of 64 list entries (SPEC §6):
-//   warpgroup 2 (producer): loads the entries' cache bytes into registers, dequantizes
-//     them (exact SPEC §2 rule) and stores the bf16 K tile into one of two shared
-//     buffers, then signals the buffer's `full` mbarrier. Its loads for block j+1 are
-//     in flight while the consumers work on block j.
+//   warpgroup 2 (producer, two entries per thread): loads the entries' cache bytes into
+//     registers, dequantizes them (exact SPEC §2 rule) and stores the bf16 K tile into
+//     one of two shared buffers, then signals the buffer's `full` mbarrier. Its loads
+//     for block j+1 are in flight while the consumers work on block j; the indices are
+//     loaded one block earlier still.
 //   warpgroup 0: S = Q K^T (wgmma, both from smem), online softmax in base 2, P rounded
 //     to bf16 (registers and smem), O[:, 0:256] = alpha O + P V with P from registers.
 //   warpgroup 1: O[:, 256:512] = alpha O + P V with P and alpha from smem.
@@ -23,8 +24,10 @@ namespace {
 constexpr int kThreads = 384;
 constexpr int kWarpgroup = 128;
 constexpr int kConsumers = 256;
+constexpr int kProducers = 128;
 // Registers per thread after reallocation; the launch gives 168 (65536 / 384, a multiple
-// of 8), and 128 * (192 + 160 + 152) = 384 * 168.
+// of 8), and 128 * (192 + 160 + 152) = 384 * 168. (ptxas compiles the whole kernel under
+// the launch count: a 64x256 wgmma needs about 158, so four warpgroups do not fit.)
 constexpr int kRegsQK = 192;
 constexpr int kRegsPV = 160;
 constexpr int kRegsProducer = 152;
@@ -42,6 +45,7 @@ struct Fmt<KVFormat::kV32> {
   static constexpr int kDqk = 576;
   static constexpr int kNope = 512;
   static constexpr int kNopeSpans = 8;    // 64-byte spans of codes per token
+  static constexpr int kSpansPerScale = 2;
   static constexpr int kRopeOffset = 528;
   static constexpr int kScaleOffset = 512;
 };
@@ -51,6 +55,7 @@ struct Fmt<KVFormat::kModel1> {
   static constexpr int kDqk = 512;
   static constexpr int kNope = 448;
   static constexpr int kNopeSpans = 7;
+  static constexpr int kSpansPerScale = 1;
   static constexpr int kRopeOffset = 448;
   static constexpr int kScaleOffset = 0;  // unused: scales live in the page's region B
 };
@@ -108,8 +113,14 @@ struct RawToken {
   uint4 scales;  // V32: 4 float32; MODEL1: 8 UE8M0 bytes in .x, .y
 };
 
+// 16 bytes of an entry; the L2 fetches the surrounding 256 bytes, so an entry's later
+// spans find their lines already on the way.
 __device__ __forceinline__ uint4 load16(const uint8_t* src, int a16) {
-  if (a16) return __ldg(reinterpret_cast<const uint4*>(src));
+  if (a16) {
+    uint4 r;
+    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(src));
+    return r;
+  }
   const uint2 lo = __ldg(reinterpret_cast<const uint2*>(src));
   const uint2 hi = __ldg(reinterpret_cast<const uint2*>(src + 8));
   return make_uint4(lo.x, lo.y, hi.x, hi.y);
@@ -147,33 +158,61 @@ __device__ __forceinline__ float span_scale(const uint4& scales, int i) {
   }
 }
 
-// Dequantizes the thread's share of one token into row `tok` of the K tile at `kt`.
+// Dequantizes the thread's share of one entry into row `tok` of the K tile at `kt`.
+// Scales of 2^8 and above need two multiplies (scale_mul); they take a rolled loop that
+// reloads the codes, so that the common path stays short and the code small.
 template <KVFormat F>
-__device__ __forceinline__ void store_token(const RawToken<F>& raw, uint8_t* kt, int tok, int q4) {
+__device__ __forceinline__ void store_token(const RawToken<F>& raw, const TokenRef& t, uint8_t* kt, int tok,
+                                            int q4) {
   constexpr int GS = Smem<F>::kGroupStride;
+  constexpr int kSpans = Fmt<F>::kNopeSpans;
+  constexpr int kScales = kSpans / Fmt<F>::kSpansPerScale;
   uint8_t* dst = kt + tok * 16;
+  uint32_t nan = 0;
 #pragma unroll
-  for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) {
-    const ScaleMul sm = scale_mul(span_scale<F>(raw.scales, i));
-    uint32_t nan_acc = 0;
-    uint4 o0, o1;
-    if (!sm.slow) {
-      dequant16<false>(raw.nope[i], sm.mul2, o0, o1, nan_acc);
-    } else {
-      dequant16<true>(raw.nope[i], sm.mul2, o0, o1, nan_acc);
+  for (int i = 0; i < kSpans; ++i) nan |= nan_flags(raw.nope[i]);
+  uint32_t mul[kScales];
+  bool slow = false;
+#pragma unroll
+  for (int k = 0; k < kScales; ++k) {
+    const ScaleMul sm = scale_mul(span_scale<F>(raw.scales, k * Fmt<F>::kSpansPerScale));
+    mul[k] = sm.mul2;
+    slow |= sm.slow;
+  }
+  if (!slow) {
+#pragma unroll
+    for (int i = 0; i < kSpans; ++i) {
+      uint4 o0, o1;
+      dequant16<false>(raw.nope[i], mul[i / Fmt<F>::kSpansPerScale], o0, o1);
+      // A NaN code: one NaN in the entry's row makes its logit (and the row's output) NaN.
+      if (i == 0 && (nan & 0x80808080u)) o0.x = (o0.x & 0xffff0000u) | 0x7fc0u;
+      const int g = 8 * i + 2 * q4;
+      *reinterpret_cast<uint4*>(dst + g * GS) = o0;
+      *reinterpret_cast<uint4*>(dst + (g + 1) * GS) = o1;
     }
-    // A NaN code: one NaN in the token's row makes its logit (and the row's output) NaN.
-    if (nan_acc & 0x80808080u) o0.x = (o0.x & 0xffff0000u) | 0x7fc0u;
-    const int g = 8 * i + 2 * q4;
-    *reinterpret_cast<uint4*>(dst + g * GS) = o0;
-    *reinterpret_cast<uint4*>(dst + (g + 1) * GS) = o1;
+  } else {
+#pragma unroll 1
+    for (int i = 0; i < kSpans; ++i) {
+      const uint4 w = load16(t.data + 64 * i + 16 * q4, t.a16);
+      const ScaleMul sm = scale_mul(span_scale<F>(raw.scales, i));
+      uint4 o0, o1;
+      if (sm.slow) {
+        dequant16<true>(w, sm.mul2, o0, o1);
+      } else {
+        dequant16<false>(w, sm.mul2, o0, o1);
+      }
+      if (i == 0 && (nan & 0x80808080u)) o0.x = (o0.x & 0xffff0000u) | 0x7fc0u;
+      const int g = 8 * i + 2 * q4;
+      *reinterpret_cast<uint4*>(dst + g * GS) = o0;
+      *reinterpret_cast<uint4*>(dst + (g + 1) * GS) = o1;
+    }
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) *reinterpret_cast<uint4*>(dst + (Fmt<F>::kNope / 8 + 4 * r + q4) * GS) = raw.rope[r];
 }
 
 // Producer thread t (0..127) handles entries slot and slot + 32 of every block, 16 bytes
-// of each 64-byte span (q4): a warp instruction reads 64 contiguous bytes of 8 tokens
+// of each 64-byte span (q4): a warp instruction reads 64 contiguous bytes of 8 entries
 // and writes 4 x 128 contiguous bytes of the tile.
 template <KVFormat F>
 __device__ __forceinline__ void produce(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
@@ -188,24 +227,26 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, int s, u
 
   Cursor cur;
   cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
-  TokenRef tk0 = fetch_token<F>(cur, p, s, w.end_req, slot);
-  TokenRef tk1 = fetch_token<F>(cur, p, s, w.end_req, slot + 32);
+  EntryIndex e0 = load_entry(cur, p, s, w.end_req, slot);
+  EntryIndex e1 = load_entry(cur, p, s, w.end_req, slot + 32);
   for (int n = 0;; ++n) {
+    const TokenRef t0 = resolve_entry<F>(e0, p);
+    const TokenRef t1 = resolve_entry<F>(e1, p);
     RawToken<F> raw0, raw1;
-    load_token<F>(tk0, q4, skip_loads, raw0);
-    load_token<F>(tk1, q4, skip_loads, raw1);
+    load_token<F>(t0, q4, skip_loads, raw0);
+    load_token<F>(t1, q4, skip_loads, raw1);
     Cursor nx = cur;
     cursor_advance(nx, p, w.end_req, w.end_block);
-    const TokenRef tn0 = fetch_token<F>(nx, p, s, w.end_req, slot);
-    const TokenRef tn1 = fetch_token<F>(nx, p, s, w.end_req, slot + 32);
+    e0 = load_entry(nx, p, s, w.end_req, slot);  // used next iteration: their latency is hidden
+    e1 = load_entry(nx, p, s, w.end_req, slot + 32);
 
     const int buf = n & 1;
-    mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);
     uint8_t* kt = smem + L::kK + buf * L::kTile;
-    store_token<F>(raw0, kt, slot, q4);
-    store_token<F>(raw1, kt, slot + 32, q4);
-    const uint32_t v0 = __ballot_sync(0xffffffffu, tk0.valid) & 0xffu;  // lanes 0..7: entries 8 pw ..
-    const uint32_t v1 = __ballot_sync(0xffffffffu, tk1.valid) & 0xffu;
+    mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);
+    store_token<F>(raw0, t0, kt, slot, q4);
+    store_token<F>(raw1, t1, kt, slot + 32, q4);
+    const uint32_t v0 = __ballot_sync(0xffffffffu, t0.valid) & 0xffu;  // lanes 0..7: entries 8 pw ..
+    const uint32_t v1 = __ballot_sync(0xffffffffu, t1.valid) & 0xffu;
     if (lane == 0) {
       valid_bytes[8 * buf + pw] = static_cast<uint8_t>(v0);
       valid_bytes[8 * buf + 4 + pw] = static_cast<uint8_t>(v1);
@@ -215,8 +256,6 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, int s, u
 
     if (nx.r > w.end_req) break;
     cur = nx;
-    tk0 = tn0;
-    tk1 = tn1;
   }
 }
 
@@ -510,14 +549,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      mbar_init(sb + L::kFull + 8 * i, kWarpgroup);
+      mbar_init(sb + L::kFull + 8 * i, kProducers);
       mbar_init(sb + L::kEmpty + 8 * i, kConsumers);
     }
   }
   __syncthreads();
 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
-  if (wg == 2) {
+  if (wg >= 2) {
     setmaxnreg_dec<kRegsProducer>();
     produce<F>(p, w, s, sb, smem);
   } else if (wg == 0) {
