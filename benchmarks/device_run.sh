@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
 # Logs go to $OUT (the device tool brings them back); a short summary is printed last.
-#   STAGES="build smoke pytest bench diag ncu sanitize racecheck" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+#   STAGES="build smoke pytest bench diag ktime ncu sanitize racecheck" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jsm_out}
@@ -21,7 +21,8 @@ python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tai
 
 if has build; then
   stamp build
-  if python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  if CMAKE_ARGS="${CMAKE_ARGS:--DCMAKE_CUDA_FLAGS=}" python3 -m pip install --no-build-isolation --no-deps -e . \
+      >"$OUT/build.log" 2>&1; then
     summary+=("build ok")
   else
     tail -40 "$OUT/build.log"; summary+=("build FAILED"); echo "${summary[@]}"; exit 1
@@ -67,7 +68,18 @@ if has diag; then  # where the time goes: 1 = no gathers, 2 = no MMAs, 3 = neith
     timeout 90 python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} \
       --no-xla --no-reference --iters 5 2>&1 | grep -E "^\| v|^\| m" | sed "s/^/mode $m: /" | tee -a "$OUT/bench.log"
   done
-  python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1
+  # CMAKE_CUDA_FLAGS is cached in the build tree: clear it, or the next build stays in mode 3.
+  CMAKE_ARGS="-DCMAKE_CUDA_FLAGS=" python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1
+fi
+
+if has ktime; then  # device time of each kernel of a few steady-state calls (one counter: no replay)
+  stamp ktime
+  timeout ${KTIME_T:-120} ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+    -k regex:"decode_kernel|combine_kernel|plan_kernel" --launch-skip 6 --launch-count 8 \
+    python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
+    --iters 3 >"$OUT/ktime.log" 2>&1
+  grep -E "^  [a-z].*\(|gpu__time_duration" "$OUT/ktime.log" | paste - - | sed -E 's/ +/ /g' | cut -c1-160
+  summary+=("ktime: $(grep -c gpu__time_duration "$OUT/ktime.log") kernels timed")
 fi
 
 if has ncu; then  # hardware counters and per-instruction stall samples of one decode launch
