@@ -20,6 +20,7 @@ import jax_sparse_mla as jsm
 from jax_sparse_mla import reference
 from tests.utils import (
     fresh_rng,
+    OUT_ATOL,
     OUT_RTOL,
     REPO_ROOT,
     assert_lse_close,
@@ -28,6 +29,7 @@ from tests.utils import (
     conformance_kwargs,
     load_conformance,
     make_case,
+    np_sparse_mla_decode,
     soften,
 )
 
@@ -241,7 +243,18 @@ def test_non_power_of_two_v32_scales():
     rows[:, 512:528] = scales.view(np.uint8)
     case["kv_cache"] = jnp.asarray(kv)
     case["sm_scale"] = 1e-3  # keeps the logits of the large scales finite and the softmax soft
-    _check(case)
+    case = _on(soften(case), GPU)
+    out, lse = _decode(**case)
+    ref_out, ref_lse = _reference(**case)
+    assert_lse_close(np.asarray(lse), np.asarray(ref_lse))
+    # Values of 2^20-scaled tiles cancel in P V, so the relative tolerance is no yardstick for
+    # the small results: bf16 probabilities (SPEC §5) allow 2^-9 * sum_j p_j |V_j| per element
+    # (2^-8 here for the bf16 rounding of the reference itself).
+    host = {k: (np.asarray(v) if isinstance(v, jax.Array) else v) for k, v in case.items()}
+    spread = np_sparse_mla_decode(**host, abs_values=True)[0]
+    a, r = _np(out).astype(np.float64), _np(ref_out).astype(np.float64)
+    bound = OUT_ATOL + OUT_RTOL * np.abs(r) + 2.0 ** -8 * spread
+    assert np.all(np.abs(a - r) <= bound), float(np.max(np.abs(a - r) - bound))
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])

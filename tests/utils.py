@@ -278,9 +278,11 @@ def _valid_mask(indices, lengths, num_tokens):
 
 
 def np_sparse_mla_decode(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None,
-                         extra_kv_cache=None, extra_indices=None, extra_topk_length=None, plan=None):
+                         extra_kv_cache=None, extra_indices=None, extra_topk_length=None, plan=None,
+                         abs_values=False):
     """Loop-over-rows float64 implementation. Returns ``(out [b,s_q,h_q,512], lse [b,h_q,s_q])``
-    as float64 NumPy arrays (``out`` not rounded to bf16)."""
+    as float64 NumPy arrays (``out`` not rounded to bf16). ``abs_values``: ``out`` holds
+    sum_j p_j |V_j| instead, the scale of the error that bf16 probabilities (SPEC §5) allow."""
     q = np.asarray(q)
     b, s_q, h_q, d_qk = q.shape
     q64 = q.astype(np.float64)
@@ -308,7 +310,8 @@ def np_sparse_mla_decode(q, kv_cache, indices, *, sm_scale=None, topk_length=Non
             m = z.max(axis=0)
             row_lse = m + np.log(np.exp(z - m).sum(axis=0))
             p = np.exp(z - row_lse)
-            o = p.T @ keys[:, :512]  # [h_q, 512]
+            values = np.abs(keys[:, :512]) if abs_values else keys[:, :512]
+            o = p.T @ values  # [h_q, 512]
             if attn_sink is not None:
                 sink = np.asarray(attn_sink, np.float64)
                 with np.errstate(over="ignore"):
