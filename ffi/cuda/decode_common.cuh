@@ -1,5 +1,5 @@
-// What both decode kernels share: the kernel parameters, the walk over a worker's
-// blocks (SPEC §6), where a list entry's bytes are, and the exact FP8 -> bf16 rule.
+// The decode kernel's parameters, the walk over a worker's blocks (SPEC §6), where a
+// list entry's bytes are, and the exact FP8 -> bf16 rule.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -92,8 +92,7 @@ inline Params make_params(const DecodeProblem& dp) {
   return p;
 }
 
-// The two kernels (one file each); both take the checked problem and launch on `stream`.
-ffi::Error launch_mma_sync(const DecodeProblem& dp, cudaStream_t stream);
+// Launches the kernel (decode_wgmma.cu) on the checked problem.
 ffi::Error launch_wgmma(const DecodeProblem& dp, cudaStream_t stream);
 
 // Position in a worker's sequence of blocks.
@@ -175,11 +174,6 @@ __device__ __forceinline__ TokenRef resolve_entry(const EntryIndex& x, const Par
     t.scales = pb + ps * Model1Layout::kDataBytes + static_cast<int64_t>(slot) * Model1Layout::kScaleBytes;
   }
   return t;
-}
-
-template <KVFormat F>
-__device__ __forceinline__ TokenRef fetch_token(const Cursor& c, const Params& p, int s, int end_req, int tok) {
-  return resolve_entry<F>(load_entry(c, p, s, end_req, tok), p);
 }
 
 // ---- dequantization (SPEC §2) ----

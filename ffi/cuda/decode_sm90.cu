@@ -1,10 +1,8 @@
 // jsm_decode on CUDA (sm_90a): checks the operands and launches the decode kernel
-// (decode_wgmma.cu; the earlier mma.sync kernel while the two are compared).
+// (decode_wgmma.cu).
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda/decode_common.cuh"
 #include "handlers.h"
@@ -12,15 +10,6 @@
 namespace jsm {
 namespace cuda {
 namespace {
-
-// JSM_DECODE_KERNEL=mma_sync selects the earlier kernel (A/B measurements only).
-bool use_mma_sync_kernel() {
-  static const bool v = [] {
-    const char* e = std::getenv("JSM_DECODE_KERNEL");
-    return e != nullptr && std::strcmp(e, "mma_sync") == 0;
-  }();
-  return v;
-}
 
 ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
                        ffi::Buffer<ffi::S32> topk_length, ffi::AnyBuffer extra_kv,
@@ -40,7 +29,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv,
     return invalid("CUDA decode: kv caches must be 8-byte aligned");
   if (dp.s_q > 65535 || (dp.h_q + kRows - 1) / kRows > 65535)
     return invalid("CUDA decode: s_q or h_q too large for the launch grid");
-  return use_mma_sync_kernel() ? launch_mma_sync(dp, stream) : launch_wgmma(dp, stream);
+  return launch_wgmma(dp, stream);
 }
 
 }  // namespace
