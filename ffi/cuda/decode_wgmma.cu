@@ -14,6 +14,8 @@
 // At the end of a request's piece both consumers write their half of the output
 // columns: out/lse (one piece) or the fp32 partials for the combine pass.
 // Invalid entries are never read: their rows are zeros and their logits -inf.
+#include <type_traits>
+
 #include "cuda/decode_common.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -37,27 +39,16 @@ constexpr int kBarPFree = 2;     // WG1 -> WG0: done reading them
 constexpr int kBarPieceEnd = 3;  // both: the final row factors are in smem
 constexpr int kBarQReady = 4;    // WG0: every thread's Q copies have landed
 
+// The byte layouts of common/kv_format.h as the producer reads them: 64-byte spans of
+// codes (16 bytes per thread of a quad), each inside one scale tile.
 template <KVFormat F>
-struct Fmt;
-
-template <>
-struct Fmt<KVFormat::kV32> {
-  static constexpr int kDqk = 576;
-  static constexpr int kNope = 512;
-  static constexpr int kNopeSpans = 8;    // 64-byte spans of codes per token
-  static constexpr int kSpansPerScale = 2;
-  static constexpr int kRopeOffset = 528;
-  static constexpr int kScaleOffset = 512;
-};
-
-template <>
-struct Fmt<KVFormat::kModel1> {
-  static constexpr int kDqk = 512;
-  static constexpr int kNope = 448;
-  static constexpr int kNopeSpans = 7;
-  static constexpr int kSpansPerScale = 1;
-  static constexpr int kRopeOffset = 448;
-  static constexpr int kScaleOffset = 0;  // unused: scales live in the page's region B
+struct Fmt {
+  using Layout = std::conditional_t<F == KVFormat::kV32, V32Layout, Model1Layout>;
+  static constexpr int kDqk = Layout::kDimQK;
+  static constexpr int kNope = Layout::kNopeDims;
+  static constexpr int kNopeSpans = kNope / 64;
+  static constexpr int kSpansPerScale = Layout::kTileDims / 64;
+  static constexpr int kRopeOffset = Layout::kRopeOffset;
 };
 
 // Shared memory. Q, the two K tiles and P use the interleaved operand layout of
@@ -139,23 +130,35 @@ __device__ __forceinline__ void load_token(const TokenRef& t, int q4, bool skip,
 #pragma unroll
   for (int r = 0; r < 2; ++r) raw.rope[r] = load16(t.data + Fmt<F>::kRopeOffset + 64 * r + 16 * q4, t.a16);
   if (F == KVFormat::kV32) {
-    raw.scales = load16(t.data + Fmt<F>::kScaleOffset, t.a16);
+    raw.scales = load16(t.data + V32Layout::kScaleOffset, t.a16);
   } else {
     const uint2 b = __ldg(reinterpret_cast<const uint2*>(t.scales));
     raw.scales = make_uint4(b.x, b.y, 0, 0);
   }
 }
 
-// Scale of span i (SPEC §2: V32 scales are rounded to bf16 first; UE8M0 are exact).
+// Scale of tile k (SPEC §2: V32 scales are rounded to bf16 first; UE8M0 are exact).
 template <KVFormat F>
-__device__ __forceinline__ float span_scale(const uint4& scales, int i) {
+__device__ __forceinline__ float tile_scale(const uint4& scales, int k) {
   if (F == KVFormat::kV32) {
-    const uint32_t w = (i >> 1) == 0 ? scales.x : (i >> 1) == 1 ? scales.y : (i >> 1) == 2 ? scales.z : scales.w;
-    return bf16_bits_to_float(float_to_bf16_bits(__uint_as_float(w)));
+    const uint32_t w = k == 0 ? scales.x : k == 1 ? scales.y : k == 2 ? scales.z : scales.w;
+    return round_to_bf16(__uint_as_float(w));
   } else {
-    const uint32_t w = i < 4 ? scales.x : scales.y;
-    return ue8m0_to_float(static_cast<uint8_t>(w >> (8 * (i & 3))));
+    const uint32_t w = k < 4 ? scales.x : scales.y;
+    return ue8m0_to_float(static_cast<uint8_t>(w >> (8 * (k & 3))));
   }
+}
+
+// Span i's 16 bf16 into the tile (column groups 8 i + 2 q4 and the next); the entry's
+// first span carries the NaN that a NaN code anywhere in the thread's share calls for
+// (one NaN in the entry's row makes its logit, and the row's output, NaN).
+template <KVFormat F>
+__device__ __forceinline__ void store_span(uint8_t* dst, int i, int q4, uint4 o0, const uint4& o1, bool nan) {
+  constexpr int GS = Smem<F>::kGroupStride;
+  if (i == 0 && nan) o0.x = (o0.x & 0xffff0000u) | 0x7fc0u;
+  const int g = 8 * i + 2 * q4;
+  *reinterpret_cast<uint4*>(dst + g * GS) = o0;
+  *reinterpret_cast<uint4*>(dst + (g + 1) * GS) = o1;
 }
 
 // Dequantizes the thread's share of one entry into row `tok` of the K tile at `kt`.
@@ -168,14 +171,15 @@ __device__ __forceinline__ void store_token(const RawToken<F>& raw, const TokenR
   constexpr int kSpans = Fmt<F>::kNopeSpans;
   constexpr int kScales = kSpans / Fmt<F>::kSpansPerScale;
   uint8_t* dst = kt + tok * 16;
-  uint32_t nan = 0;
+  uint32_t flags = 0;
 #pragma unroll
-  for (int i = 0; i < kSpans; ++i) nan |= nan_flags(raw.nope[i]);
+  for (int i = 0; i < kSpans; ++i) flags |= nan_flags(raw.nope[i]);
+  const bool nan = flags & 0x80808080u;
   uint32_t mul[kScales];
   bool slow = false;
 #pragma unroll
   for (int k = 0; k < kScales; ++k) {
-    const ScaleMul sm = scale_mul(span_scale<F>(raw.scales, k * Fmt<F>::kSpansPerScale));
+    const ScaleMul sm = scale_mul(tile_scale<F>(raw.scales, k));
     mul[k] = sm.mul2;
     slow |= sm.slow;
   }
@@ -184,27 +188,20 @@ __device__ __forceinline__ void store_token(const RawToken<F>& raw, const TokenR
     for (int i = 0; i < kSpans; ++i) {
       uint4 o0, o1;
       dequant16<false>(raw.nope[i], mul[i / Fmt<F>::kSpansPerScale], o0, o1);
-      // A NaN code: one NaN in the entry's row makes its logit (and the row's output) NaN.
-      if (i == 0 && (nan & 0x80808080u)) o0.x = (o0.x & 0xffff0000u) | 0x7fc0u;
-      const int g = 8 * i + 2 * q4;
-      *reinterpret_cast<uint4*>(dst + g * GS) = o0;
-      *reinterpret_cast<uint4*>(dst + (g + 1) * GS) = o1;
+      store_span<F>(dst, i, q4, o0, o1, nan);
     }
   } else {
 #pragma unroll 1
     for (int i = 0; i < kSpans; ++i) {
       const uint4 w = load16(t.data + 64 * i + 16 * q4, t.a16);
-      const ScaleMul sm = scale_mul(span_scale<F>(raw.scales, i));
+      const ScaleMul sm = scale_mul(tile_scale<F>(raw.scales, i / Fmt<F>::kSpansPerScale));
       uint4 o0, o1;
       if (sm.slow) {
         dequant16<true>(w, sm.mul2, o0, o1);
       } else {
         dequant16<false>(w, sm.mul2, o0, o1);
       }
-      if (i == 0 && (nan & 0x80808080u)) o0.x = (o0.x & 0xffff0000u) | 0x7fc0u;
-      const int g = 8 * i + 2 * q4;
-      *reinterpret_cast<uint4*>(dst + g * GS) = o0;
-      *reinterpret_cast<uint4*>(dst + (g + 1) * GS) = o1;
+      store_span<F>(dst, i, q4, o0, o1, nan);
     }
   }
 #pragma unroll
