@@ -14,8 +14,18 @@
 // At the end of a request's piece both consumers write their half of the output
 // columns: out/lse (one piece) or the fp32 partials for the combine pass.
 // Invalid entries are never read: their rows are zeros and their logits -inf.
+//
+// With two or more head groups the CTAs of head groups 2i and 2i + 1 (same worker, same
+// query row: they walk the same blocks) form a cluster of two. Each CTA's producer then
+// handles half of every block (one entry per thread) and writes the bf16 rows into both
+// CTAs' K tiles (distributed shared memory); `full` waits for both producers and `empty`
+// for both CTAs' consumers. Dequantization is the wall, so this halves it. With one
+// entry per thread the producer also has the registers to request block j+1's bytes
+// before it dequantizes block j.
+#include <cstdlib>
 #include <type_traits>
 
+#include "cuda/cluster.cuh"
 #include "cuda/decode_common.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -26,6 +36,7 @@ namespace {
 constexpr int kThreads = 384;
 constexpr int kWarpgroup = 128;
 constexpr int kConsumers = 256;
+constexpr int kConsumerWarps = kConsumers / 32;
 constexpr int kProducers = 128;
 // Registers per thread after reallocation; the launch gives 168 (65536 / 384, a multiple
 // of 8), and 128 * (192 + 160 + 152) = 384 * 168. (ptxas compiles the whole kernel under
@@ -152,25 +163,33 @@ __device__ __forceinline__ float tile_scale(const uint4& scales, int k) {
 // Span i's 16 bf16 into the tile (column groups 8 i + 2 q4 and the next); the entry's
 // first span carries the NaN that a NaN code anywhere in the thread's share calls for
 // (one NaN in the entry's row makes its logit, and the row's output, NaN).
-template <KVFormat F>
-__device__ __forceinline__ void store_span(uint8_t* dst, int i, int q4, uint4 o0, const uint4& o1, bool nan) {
+// kPeer: the same bytes also go to the peer CTA's tile at `peer_dst` (a cluster address).
+template <KVFormat F, bool kPeer>
+__device__ __forceinline__ void store_span(uint8_t* dst, uint32_t peer_dst, int i, int q4, uint4 o0, const uint4& o1,
+                                           bool nan) {
   constexpr int GS = Smem<F>::kGroupStride;
   if (i == 0 && nan) o0.x = (o0.x & 0xffff0000u) | 0x7fc0u;
   const int g = 8 * i + 2 * q4;
   *reinterpret_cast<uint4*>(dst + g * GS) = o0;
   *reinterpret_cast<uint4*>(dst + (g + 1) * GS) = o1;
+  if (kPeer) {
+    st_cluster_v4(peer_dst + g * GS, o0);
+    st_cluster_v4(peer_dst + (g + 1) * GS, o1);
+  }
 }
 
-// Dequantizes the thread's share of one entry into row `tok` of the K tile at `kt`.
-// Scales of 2^8 and above need two multiplies (scale_mul); they take a rolled loop that
-// reloads the codes, so that the common path stays short and the code small.
-template <KVFormat F>
-__device__ __forceinline__ void store_token(const RawToken<F>& raw, const TokenRef& t, uint8_t* kt, int tok,
-                                            int q4) {
+// Dequantizes the thread's share of one entry into row `tok` of the K tile at `kt` (and,
+// kPeer, of the peer CTA's tile at cluster address `peer_kt`). Scales of 2^8 and above
+// need two multiplies (scale_mul); they take a rolled loop that reloads the codes, so
+// that the common path stays short and the code small.
+template <KVFormat F, bool kPeer>
+__device__ __forceinline__ void store_token(const RawToken<F>& raw, const TokenRef& t, uint8_t* kt, uint32_t peer_kt,
+                                            int tok, int q4) {
   constexpr int GS = Smem<F>::kGroupStride;
   constexpr int kSpans = Fmt<F>::kNopeSpans;
   constexpr int kScales = kSpans / Fmt<F>::kSpansPerScale;
   uint8_t* dst = kt + tok * 16;
+  const uint32_t peer_dst = peer_kt + tok * 16;
   uint32_t flags = 0;
 #pragma unroll
   for (int i = 0; i < kSpans; ++i) flags |= nan_flags(raw.nope[i]);
@@ -188,7 +207,7 @@ __device__ __forceinline__ void store_token(const RawToken<F>& raw, const TokenR
     for (int i = 0; i < kSpans; ++i) {
       uint4 o0, o1;
       dequant16<false>(raw.nope[i], mul[i / Fmt<F>::kSpansPerScale], o0, o1);
-      store_span<F>(dst, i, q4, o0, o1, nan);
+      store_span<F, kPeer>(dst, peer_dst, i, q4, o0, o1, nan);
     }
   } else {
 #pragma unroll 1
@@ -201,18 +220,22 @@ __device__ __forceinline__ void store_token(const RawToken<F>& raw, const TokenR
       } else {
         dequant16<false>(w, sm.mul2, o0, o1);
       }
-      store_span<F>(dst, i, q4, o0, o1, nan);
+      store_span<F, kPeer>(dst, peer_dst, i, q4, o0, o1, nan);
     }
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) *reinterpret_cast<uint4*>(dst + (Fmt<F>::kNope / 8 + 4 * r + q4) * GS) = raw.rope[r];
+  for (int r = 0; r < 2; ++r) {
+    const int g = Fmt<F>::kNope / 8 + 4 * r + q4;
+    *reinterpret_cast<uint4*>(dst + g * GS) = raw.rope[r];
+    if (kPeer) st_cluster_v4(peer_dst + g * GS, raw.rope[r]);
+  }
 }
 
-// Producer thread t (0..127) handles entries slot and slot + 32 of every block, 16 bytes
-// of each 64-byte span (q4): a warp instruction reads 64 contiguous bytes of 8 entries
-// and writes 4 x 128 contiguous bytes of the tile.
+// Producer of a CTA on its own: thread t (0..127) handles entries slot and slot + 32 of
+// every block, 16 bytes of each 64-byte span (q4): a warp instruction reads 64
+// contiguous bytes of 8 entries and writes 4 x 128 contiguous bytes of the tile.
 template <KVFormat F>
-__device__ __forceinline__ void produce(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
+__device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
   using L = Smem<F>;
   const int t = threadIdx.x - kConsumers;
   const int pw = t >> 5;
@@ -240,8 +263,8 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, int s, u
     const int buf = n & 1;
     uint8_t* kt = smem + L::kK + buf * L::kTile;
     mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);
-    store_token<F>(raw0, t0, kt, slot, q4);
-    store_token<F>(raw1, t1, kt, slot + 32, q4);
+    store_token<F, false>(raw0, t0, kt, 0, slot, q4);
+    store_token<F, false>(raw1, t1, kt, 0, slot + 32, q4);
     const uint32_t v0 = __ballot_sync(0xffffffffu, t0.valid) & 0xffu;  // lanes 0..7: entries 8 pw ..
     const uint32_t v1 = __ballot_sync(0xffffffffu, t1.valid) & 0xffu;
     if (lane == 0) {
@@ -256,7 +279,85 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, int s, u
   }
 }
 
+// Producer of one CTA of a cluster pair: thread t handles entry 32 * rank + slot of every
+// block and writes it into both CTAs' tiles; the peer's producer does the other half.
+// Block j+1's bytes are requested before block j is dequantized (registers for two
+// entries), its indices one block earlier still.
+template <KVFormat F>
+__device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int s, uint32_t sb, uint32_t peer,
+                                             uint8_t* smem) {
+  using L = Smem<F>;
+  const int t = threadIdx.x - kConsumers;
+  const int pw = t >> 5;
+  const int lane = t & 31;
+  const int rank = cluster_ctarank();
+  const int slot = 32 * rank + 8 * pw + (lane & 7);
+  const int q4 = lane >> 3;
+  const bool skip_loads = p.debug & 1;
+  const int valid_byte = L::kValid + 4 * rank + pw;  // + 8 * buf; lanes 0..7 hold its bits
+
+  Cursor cur;
+  cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  TokenRef tok = resolve_entry<F>(load_entry(cur, p, s, w.end_req, slot), p);
+  RawToken<F> raw;
+  load_token<F>(tok, q4, skip_loads, raw);
+  Cursor nx = cur;
+  cursor_advance(nx, p, w.end_req, w.end_block);
+  EntryIndex next_index = load_entry(nx, p, s, w.end_req, slot);
+  for (int n = 0;; ++n) {
+    const TokenRef next_tok = resolve_entry<F>(next_index, p);  // past the end: invalid, nothing loaded
+    RawToken<F> next_raw;
+    load_token<F>(next_tok, q4, skip_loads, next_raw);
+    Cursor nx2 = nx;
+    cursor_advance(nx2, p, w.end_req, w.end_block);
+    next_index = load_entry(nx2, p, s, w.end_req, slot);
+
+    const int buf = n & 1;
+    const int tile = L::kK + buf * L::kTile;
+    mbar_wait_cluster(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);  // both CTAs' consumers are done with it
+    store_token<F, true>(raw, tok, smem + tile, peer + tile, slot, q4);
+    const uint32_t v = __ballot_sync(0xffffffffu, tok.valid) & 0xffu;
+    if (lane == 0) {
+      smem[valid_byte + 8 * buf] = static_cast<uint8_t>(v);
+      st_cluster_u8(peer + valid_byte + 8 * buf, v);
+    }
+    fence_proxy_async_cluster();
+    mbar_arrive_cluster(sb + L::kFull + 8 * buf);
+    mbar_arrive_cluster(peer + L::kFull + 8 * buf);
+
+    if (nx.r > w.end_req) break;
+    nx = nx2;
+    tok = next_tok;
+    raw = next_raw;
+  }
+}
+
 // ---- consumers ----
+
+// Waits until buffer `buf`'s tile is complete (both producers' halves in a cluster).
+template <int kCluster>
+__device__ __forceinline__ void wait_full(uint32_t bar, uint32_t parity) {
+  if (kCluster > 1) {
+    mbar_wait_cluster(bar, parity);
+  } else {
+    mbar_wait(bar, parity);
+  }
+}
+
+// Called once the warp's wgmmas reading the buffer have completed: one arrival per warp
+// on `empty` (of both CTAs in a cluster: the peer's producer writes here too).
+template <int kCluster>
+__device__ __forceinline__ void release_tile(uint32_t bar, uint32_t peer_bar) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) {
+    if (kCluster > 1) {
+      mbar_arrive_cluster(bar);
+      mbar_arrive_cluster(peer_bar);
+    } else {
+      mbar_arrive(bar);
+    }
+  }
+}
 
 // Q rows of heads 64 hg .. 64 hg + 63 for (request r, query row s); rows past h_q are
 // zeros. Issued by WG0's 128 threads; completion is awaited before the next QK.
@@ -310,8 +411,9 @@ __device__ __forceinline__ void store_o(const Params& p, const float (&o)[128], 
   }
 }
 
-template <KVFormat F>
-__device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s, int hg, uint32_t sb, uint8_t* smem) {
+template <KVFormat F, int kCluster>
+__device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s, int hg, uint32_t sb, uint32_t peer,
+                                           uint8_t* smem) {
   using L = Smem<F>;
   const int t = threadIdx.x;
   const int lane = t & 31;
@@ -347,7 +449,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
       named_bar_sync(kBarQReady, kWarpgroup);
       q_pending = false;
     }
-    mbar_wait(sb + L::kFull + 8 * buf, (n >> 1) & 1);
+    wait_full<kCluster>(sb + L::kFull + 8 * buf, (n >> 1) & 1);
 
     // S = Q K^T
     float sacc[32];
@@ -435,7 +537,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
       pin(o);
       pin(pf);
     }
-    mbar_arrive(sb + L::kEmpty + 8 * buf);
+    release_tile<kCluster>(sb + L::kEmpty + 8 * buf, peer + L::kEmpty + 8 * buf);
 
     first = last;
     if (last) {
@@ -471,8 +573,9 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
   }
 }
 
-template <KVFormat F>
-__device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s, int hg, uint32_t sb, uint8_t* smem) {
+template <KVFormat F, int kCluster>
+__device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s, int hg, uint32_t sb, uint32_t peer,
+                                           uint8_t* smem) {
   using L = Smem<F>;
   const int t = threadIdx.x - kWarpgroup;
   const int lane = t & 31;
@@ -496,7 +599,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
     const uint32_t k_s = sb + L::kK + buf * L::kTile;
 
     named_bar_sync(kBarPReady, kConsumers);
-    mbar_wait(sb + L::kFull + 8 * buf, (n >> 1) & 1);  // (already complete: makes K visible here too)
+    wait_full<kCluster>(sb + L::kFull + 8 * buf, (n >> 1) & 1);  // (already complete: makes K visible here too)
     const float a0 = alpha_s[r0];
     const float a1 = alpha_s[r0 + 8];
 #pragma unroll
@@ -514,7 +617,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
       wgmma_wait<0>();
       pin(o);
     }
-    mbar_arrive(sb + L::kEmpty + 8 * buf);
+    release_tile<kCluster>(sb + L::kEmpty + 8 * buf, peer + L::kEmpty + 8 * buf);
 
     if (!last) {
       named_bar_arrive(kBarPFree, kConsumers);
@@ -531,7 +634,8 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
   }
 }
 
-template <KVFormat F>
+// kCluster = 2: launched in clusters of two CTAs along the head-group axis (grid z even).
+template <KVFormat F, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   using L = Smem<F>;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -540,47 +644,117 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   const int hg = blockIdx.z;
   const int32_t* row = p.sched + static_cast<int64_t>(worker) * kSchedFields;
   const Work w{row[kBeginReq], row[kEndReq], row[kBeginBlock], row[kEndBlock], row[kBeginSplit]};
-  if (w.begin_req > w.end_req) return;  // an idle worker (the whole CTA, before any barrier)
+  // An idle worker: the whole CTA (and its cluster peer, same worker) leaves before any barrier.
+  if (w.begin_req > w.end_req) return;
 
   const uint32_t sb = smem_u32(smem);
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      mbar_init(sb + L::kFull + 8 * i, kProducers);
-      mbar_init(sb + L::kEmpty + 8 * i, kConsumers);
+      mbar_init(sb + L::kFull + 8 * i, kProducers * kCluster);
+      mbar_init(sb + L::kEmpty + 8 * i, kConsumerWarps * kCluster);
     }
+    if (kCluster > 1) fence_mbarrier_init_cluster();
   }
-  __syncthreads();
+  uint32_t peer = 0;
+  if (kCluster > 1) {
+    peer = peer_smem(sb, cluster_ctarank() ^ 1);
+    cluster_sync();  // the peer's barriers are initialized before anyone arrives on them
+  } else {
+    __syncthreads();
+  }
 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
   if (wg >= 2) {
     setmaxnreg_dec<kRegsProducer>();
-    produce<F>(p, w, s, sb, smem);
+    if (kCluster > 1) {
+      produce_pair<F>(p, w, s, sb, peer, smem);
+    } else {
+      produce_solo<F>(p, w, s, sb, smem);
+    }
   } else if (wg == 0) {
     setmaxnreg_inc<kRegsQK>();
-    consume_qk<F>(p, w, s, hg, sb, smem);
+    consume_qk<F, kCluster>(p, w, s, hg, sb, peer, smem);
   } else {
     setmaxnreg_dec<kRegsPV>();
-    consume_pv<F>(p, w, s, hg, sb, smem);
+    consume_pv<F, kCluster>(p, w, s, hg, sb, peer, smem);
   }
+  // The peer still writes into this CTA's tiles and arrives on its barriers until it is done.
+  if (kCluster > 1) cluster_sync();
+}
+
+// Per device, set up once: the shared memory opt-in of both variants and how many CTAs
+// of the pair variant can be resident at once (clusters must sit on SM pairs).
+struct DeviceSetup {
+  bool done = false;
+  int64_t pair_ctas = 0;  // 0: never use clusters on this device
+};
+
+template <KVFormat F>
+ffi::Error set_up_device(DeviceSetup& d) {
+  constexpr int kSmem = Smem<F>::kBytes;
+  cudaError_t e = cudaFuncSetAttribute(decode_kernel<F, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (e != cudaSuccess) return cuda_failure("cudaFuncSetAttribute(decode_kernel)", e);
+  e = cudaFuncSetAttribute(decode_kernel<F, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (e != cudaSuccess) return cuda_failure("cudaFuncSetAttribute(decode_kernel, cluster)", e);
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 2;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(1, 1, 2);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  e = cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<F, 2>, &cfg);
+  // A device that cannot tell (or a measurement switch) runs the CTAs on their own.
+  const char* off = std::getenv("JSM_DECODE_NO_CLUSTER");
+  d.pair_ctas = (e == cudaSuccess && !(off && off[0] == '1')) ? 2 * static_cast<int64_t>(clusters) : 0;
+  if (e != cudaSuccess) cudaGetLastError();  // not sticky: clear it
+  d.done = true;
+  return ffi::Error::Success();
 }
 
 template <KVFormat F>
 ffi::Error launch_kernel(const DecodeProblem& dp, cudaStream_t stream) {
-  constexpr int kSmem = Smem<F>::kBytes;
-  static bool configured[64] = {};
+  constexpr int kMaxDevices = 64;
+  static DeviceSetup setups[kMaxDevices];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return cuda_failure("cudaGetDevice", e);
-  if (dev < 0 || dev >= 64 || !configured[dev]) {
-    e = cudaFuncSetAttribute(decode_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (e != cudaSuccess) return cuda_failure("cudaFuncSetAttribute(decode_kernel)", e);
-    if (dev >= 0 && dev < 64) configured[dev] = true;
-  }
+  DeviceSetup local;
+  DeviceSetup& d = dev >= 0 && dev < kMaxDevices ? setups[dev] : local;
+  if (!d.done) JSM_RETURN_IF_ERROR(set_up_device<F>(d));
+
   const Params p = make_params(dp);
-  const dim3 grid(dp.num_parts, dp.s_q, (dp.h_q + kRows - 1) / kRows);
-  decode_kernel<F><<<grid, kThreads, kSmem, stream>>>(p);
-  return check_launch("decode_kernel (wgmma)");
+  const int groups = (dp.h_q + kRows - 1) / kRows;
+  const int pair_groups = (groups + 1) / 2 * 2;
+  // Pairs only when every cluster is resident at once: a second wave would cost a whole
+  // kernel's time (the plan sizes workers for one CTA per SM).
+  const bool pairs = groups >= 2 && static_cast<int64_t>(dp.num_parts) * dp.s_q * pair_groups <= d.pair_ctas;
+  if (!pairs) {
+    const dim3 grid(dp.num_parts, dp.s_q, groups);
+    decode_kernel<F, 1><<<grid, kThreads, Smem<F>::kBytes, stream>>>(p);
+    return check_launch("decode_kernel (wgmma)");
+  }
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 2;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(dp.num_parts, dp.s_q, pair_groups);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = Smem<F>::kBytes;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  e = cudaLaunchKernelEx(&cfg, decode_kernel<F, 2>, p);
+  if (e != cudaSuccess) return cuda_failure("cudaLaunchKernelEx(decode_kernel, cluster of 2)", e);
+  return check_launch("decode_kernel (wgmma, cluster of 2)");
 }
 
 }  // namespace
