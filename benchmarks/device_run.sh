@@ -32,7 +32,8 @@ if has build; then
   { cuobjdump -res-usage "$lib" 2>&1 | grep -E "Function|REG|SHARED" ; \
     echo "--- instruction mix of decode kernels"; \
     cuobjdump -sass "$lib" | awk '/Function :/{f=$3} /decode_kernel/{d=1} {print}' | \
-      grep -oE "(HMMA|LDSM|LDGSTS|LDL|STL|BAR|HFMA2|PRMT)[.A-Z0-9_]*" | sort | uniq -c; } >"$OUT/sass.txt" 2>&1
+      grep -oE "(HGMMA|LDGSTS|LDL|STL|BAR|MEMBAR|CCTL|ERRBAR|SYNCS|STAS|FENCE|HFMA2|PRMT)[.A-Z0-9_]*" | sort | uniq -c; } >"$OUT/sass.txt" 2>&1
+  cuobjdump -sass "$lib" >"$OUT/sass_full.txt" 2>&1
   grep -E "LDL|STL" "$OUT/sass.txt" && summary+=("SASS has local memory traffic")
 fi
 

@@ -4,7 +4,9 @@
 //
 // Addresses here are 32-bit shared::cluster addresses. A CTA's own shared::cta
 // addresses are valid shared::cluster addresses of itself; a peer's come from
-// peer_smem(). Synchronization across CTAs uses cluster scope (release/acquire).
+// peer_smem(). Data crosses CTAs only through st.async, whose completion the receiving
+// CTA's mbarrier tracks: cluster-scope release/acquire would cost a GPU-wide memory
+// barrier per arrival (MEMBAR.ALL.GPU, which also drains the thread's pending loads).
 #pragma once
 
 #include <cstdint>
@@ -25,45 +27,35 @@ __device__ __forceinline__ uint32_t peer_smem(uint32_t smem_addr, int rank) {
   return r;
 }
 
-__device__ __forceinline__ void st_cluster_v4(uint32_t addr, const uint4& v) {
-  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
+// Stores into a peer CTA's shared memory that complete `bytes` transactions on the
+// peer's mbarrier `bar` once written (the peer's waiters then see them, no fence).
+__device__ __forceinline__ void st_async_v4(uint32_t addr, const uint4& v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(addr),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
                : "memory");
 }
 
-__device__ __forceinline__ void st_cluster_u8(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared::cluster.u8 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+__device__ __forceinline__ void st_async_u32(uint32_t addr, uint32_t v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(addr), "r"(v),
+               "r"(bar)
+               : "memory");
 }
 
-// Arrive on an mbarrier of any CTA of the cluster; orders this thread's earlier writes
-// (to any CTA's shared memory) before the arrival for cluster-scope acquirers.
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+// Arrival on this CTA's mbarrier that also expects `bytes` more transactions this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
 }
 
-// Waits (on this CTA's mbarrier) for the phase with the given parity, acquiring at
-// cluster scope: writes a peer CTA made before its arrival are visible afterwards.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+// Arrival on an mbarrier of any CTA of the cluster with no ordering of this thread's
+// memory accesses: for "done reading" signals whose reads have already completed.
+__device__ __forceinline__ void mbar_arrive_relaxed(uint32_t bar) {
+  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
 // Makes mbarrier initializations visible to the cluster (before a cluster_sync).
 __device__ __forceinline__ void fence_mbarrier_init_cluster() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-// Generic-proxy writes to any CTA's shared memory made visible to the async proxy
-// (the wgmma operand reads of the CTA that owns it).
-__device__ __forceinline__ void fence_proxy_async_cluster() {
-  asm volatile("fence.proxy.async.shared::cluster;\n" ::: "memory");
 }
 
 // Every thread of every CTA of the cluster (all warps converged).

@@ -73,8 +73,8 @@ struct Smem {
   static constexpr int kP = kK + 2 * kTile;
   static constexpr int kAlpha = kP + kTokens * kRows * 2;  // 64 floats
   static constexpr int kFinal = kAlpha + kRows * 4;        // 2 x 64 floats (by piece parity)
-  static constexpr int kValid = kFinal + 2 * kRows * 4;    // 2 x 64-bit masks
-  static constexpr int kFull = kValid + 2 * 8;             // 2 mbarriers
+  static constexpr int kValid = kFinal + 2 * kRows * 4;    // 2 x 8 words: bits of entries 8 k .. 8 k + 7
+  static constexpr int kFull = kValid + 2 * 8 * 4;         // 2 mbarriers
   static constexpr int kEmpty = kFull + 2 * 8;             // 2 mbarriers
   static constexpr int kBytes = kEmpty + 2 * 8;
   static_assert(kBytes <= 232448, "shared memory over the sm_90 per-block limit");
@@ -163,28 +163,30 @@ __device__ __forceinline__ float tile_scale(const uint4& scales, int k) {
 // Span i's 16 bf16 into the tile (column groups 8 i + 2 q4 and the next); the entry's
 // first span carries the NaN that a NaN code anywhere in the thread's share calls for
 // (one NaN in the entry's row makes its logit, and the row's output, NaN).
-// kPeer: the same bytes also go to the peer CTA's tile at `peer_dst` (a cluster address).
+// kPeer: the same bytes also go to the peer CTA's tile at `peer_dst` (a cluster
+// address), completing transactions on the peer's `full` barrier `peer_full`.
 template <KVFormat F, bool kPeer>
-__device__ __forceinline__ void store_span(uint8_t* dst, uint32_t peer_dst, int i, int q4, uint4 o0, const uint4& o1,
-                                           bool nan) {
+__device__ __forceinline__ void store_span(uint8_t* dst, uint32_t peer_dst, uint32_t peer_full, int i, int q4, uint4 o0,
+                                           const uint4& o1, bool nan) {
   constexpr int GS = Smem<F>::kGroupStride;
   if (i == 0 && nan) o0.x = (o0.x & 0xffff0000u) | 0x7fc0u;
   const int g = 8 * i + 2 * q4;
   *reinterpret_cast<uint4*>(dst + g * GS) = o0;
   *reinterpret_cast<uint4*>(dst + (g + 1) * GS) = o1;
   if (kPeer) {
-    st_cluster_v4(peer_dst + g * GS, o0);
-    st_cluster_v4(peer_dst + (g + 1) * GS, o1);
+    st_async_v4(peer_dst + g * GS, o0, peer_full);
+    st_async_v4(peer_dst + (g + 1) * GS, o1, peer_full);
   }
 }
 
 // Dequantizes the thread's share of one entry into row `tok` of the K tile at `kt` (and,
-// kPeer, of the peer CTA's tile at cluster address `peer_kt`). Scales of 2^8 and above
+// kPeer, of the peer CTA's tile at cluster address `peer_kt`, with st.async completing
+// on the peer's `full` barrier `peer_full`). Scales of 2^8 and above
 // need two multiplies (scale_mul); they take a rolled loop that reloads the codes, so
 // that the common path stays short and the code small.
 template <KVFormat F, bool kPeer>
 __device__ __forceinline__ void store_token(const RawToken<F>& raw, const TokenRef& t, uint8_t* kt, uint32_t peer_kt,
-                                            int tok, int q4) {
+                                            uint32_t peer_full, int tok, int q4) {
   constexpr int GS = Smem<F>::kGroupStride;
   constexpr int kSpans = Fmt<F>::kNopeSpans;
   constexpr int kScales = kSpans / Fmt<F>::kSpansPerScale;
@@ -207,7 +209,7 @@ __device__ __forceinline__ void store_token(const RawToken<F>& raw, const TokenR
     for (int i = 0; i < kSpans; ++i) {
       uint4 o0, o1;
       dequant16<false>(raw.nope[i], mul[i / Fmt<F>::kSpansPerScale], o0, o1);
-      store_span<F, kPeer>(dst, peer_dst, i, q4, o0, o1, nan);
+      store_span<F, kPeer>(dst, peer_dst, peer_full, i, q4, o0, o1, nan);
     }
   } else {
 #pragma unroll 1
@@ -220,14 +222,14 @@ __device__ __forceinline__ void store_token(const RawToken<F>& raw, const TokenR
       } else {
         dequant16<false>(w, sm.mul2, o0, o1);
       }
-      store_span<F, kPeer>(dst, peer_dst, i, q4, o0, o1, nan);
+      store_span<F, kPeer>(dst, peer_dst, peer_full, i, q4, o0, o1, nan);
     }
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int g = Fmt<F>::kNope / 8 + 4 * r + q4;
     *reinterpret_cast<uint4*>(dst + g * GS) = raw.rope[r];
-    if (kPeer) st_cluster_v4(peer_dst + g * GS, raw.rope[r]);
+    if (kPeer) st_async_v4(peer_dst + g * GS, raw.rope[r], peer_full);
   }
 }
 
@@ -243,7 +245,7 @@ __device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int
   const int slot = 8 * pw + (lane & 7);
   const int q4 = lane >> 3;
   const bool skip_loads = p.debug & 1;
-  uint8_t* valid_bytes = smem + L::kValid;
+  uint32_t* valid_words = reinterpret_cast<uint32_t*>(smem + L::kValid);
 
   Cursor cur;
   cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
@@ -263,26 +265,44 @@ __device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int
     const int buf = n & 1;
     uint8_t* kt = smem + L::kK + buf * L::kTile;
     mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);
-    store_token<F, false>(raw0, t0, kt, 0, slot, q4);
-    store_token<F, false>(raw1, t1, kt, 0, slot + 32, q4);
+    store_token<F, false>(raw0, t0, kt, 0, 0, slot, q4);
+    store_token<F, false>(raw1, t1, kt, 0, 0, slot + 32, q4);
     const uint32_t v0 = __ballot_sync(0xffffffffu, t0.valid) & 0xffu;  // lanes 0..7: entries 8 pw ..
     const uint32_t v1 = __ballot_sync(0xffffffffu, t1.valid) & 0xffu;
     if (lane == 0) {
-      valid_bytes[8 * buf + pw] = static_cast<uint8_t>(v0);
-      valid_bytes[8 * buf + 4 + pw] = static_cast<uint8_t>(v1);
+      valid_words[8 * buf + pw] = v0;
+      valid_words[8 * buf + 4 + pw] = v1;
     }
-    fence_proxy_async();
-    mbar_arrive(sb + L::kFull + 8 * buf);
+    mbar_arrive(sb + L::kFull + 8 * buf);  // (the consumers make the tile visible to wgmma)
 
     if (nx.r > w.end_req) break;
     cur = nx;
   }
 }
 
+// Bytes a pair producer writes into its peer per block: half the tile's rows and 4
+// valid-mask words.
+template <KVFormat F>
+constexpr uint32_t kPeerBytes = (kTokens / 2) * Fmt<F>::kDqk * 2 + 4 * 4;
+
+// Brings a valid entry's bytes into L2 (lanes q4 and q4 + 4 of its 128-byte lines), so
+// that the register loads a block later wait for L2 rather than for memory.
+template <KVFormat F>
+__device__ __forceinline__ void prefetch_token_l2(const TokenRef& t, int q4) {
+  if (!t.valid) return;
+  constexpr int kRowBytes = F == KVFormat::kV32 ? V32Layout::kBytesPerToken : Model1Layout::kDataBytes;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int off = 128 * (q4 + 4 * k);
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(t.data + (off < kRowBytes ? off : kRowBytes - 1)));
+  }
+  if (F == KVFormat::kModel1 && q4 == 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(t.scales));
+}
+
 // Producer of one CTA of a cluster pair: thread t handles entry 32 * rank + slot of every
 // block and writes it into both CTAs' tiles; the peer's producer does the other half.
 // Block j+1's bytes are requested before block j is dequantized (registers for two
-// entries), its indices one block earlier still.
+// entries), block j+2's are prefetched into L2, and block j+3's indices loaded.
 template <KVFormat F>
 __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int s, uint32_t sb, uint32_t peer,
                                              uint8_t* smem) {
@@ -294,39 +314,50 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
   const int slot = 32 * rank + 8 * pw + (lane & 7);
   const int q4 = lane >> 3;
   const bool skip_loads = p.debug & 1;
-  const int valid_byte = L::kValid + 4 * rank + pw;  // + 8 * buf; lanes 0..7 hold its bits
+  const int valid_word = L::kValid + 4 * (4 * rank + pw);  // + 32 * buf; lanes 0..7 hold its bits
 
-  Cursor cur;
-  cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
-  TokenRef tok = resolve_entry<F>(load_entry(cur, p, s, w.end_req, slot), p);
+  // One cursor, two blocks ahead of the block being stored at the top of an iteration
+  // (few registers: the producer runs at 152 and spills otherwise).
+  Cursor c;
+  cursor_enter(c, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  TokenRef tok = resolve_entry<F>(load_entry(c, p, s, w.end_req, slot), p);
   RawToken<F> raw;
   load_token<F>(tok, q4, skip_loads, raw);
-  Cursor nx = cur;
-  cursor_advance(nx, p, w.end_req, w.end_block);
-  EntryIndex next_index = load_entry(nx, p, s, w.end_req, slot);
+  cursor_advance(c, p, w.end_req, w.end_block);
+  EntryIndex index1 = load_entry(c, p, s, w.end_req, slot);
+  bool more1 = c.r <= w.end_req;  // block n + 1 exists
+  cursor_advance(c, p, w.end_req, w.end_block);
+  EntryIndex index2 = load_entry(c, p, s, w.end_req, slot);
   for (int n = 0;; ++n) {
-    const TokenRef next_tok = resolve_entry<F>(next_index, p);  // past the end: invalid, nothing loaded
+    const TokenRef next_tok = resolve_entry<F>(index1, p);  // past the end: invalid, nothing loaded
     RawToken<F> next_raw;
     load_token<F>(next_tok, q4, skip_loads, next_raw);
-    Cursor nx2 = nx;
-    cursor_advance(nx2, p, w.end_req, w.end_block);
-    next_index = load_entry(nx2, p, s, w.end_req, slot);
+    if (!skip_loads) prefetch_token_l2<F>(resolve_entry<F>(index2, p), q4);
+    const bool last = !more1;
+    more1 = c.r <= w.end_req;  // block n + 2 exists
+    cursor_advance(c, p, w.end_req, w.end_block);
+    const EntryIndex index3 = load_entry(c, p, s, w.end_req, slot);
 
     const int buf = n & 1;
     const int tile = L::kK + buf * L::kTile;
-    mbar_wait_cluster(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);  // both CTAs' consumers are done with it
-    store_token<F, true>(raw, tok, smem + tile, peer + tile, slot, q4);
+    const uint32_t full = L::kFull + 8 * buf;
+    mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);  // both CTAs' consumers are done with it
+    store_token<F, true>(raw, tok, smem + tile, peer + tile, peer + full, slot, q4);
     const uint32_t v = __ballot_sync(0xffffffffu, tok.valid) & 0xffu;
     if (lane == 0) {
-      smem[valid_byte + 8 * buf] = static_cast<uint8_t>(v);
-      st_cluster_u8(peer + valid_byte + 8 * buf, v);
+      *reinterpret_cast<uint32_t*>(smem + valid_word + 32 * buf) = v;
+      st_async_u32(peer + valid_word + 32 * buf, v, peer + full);
     }
-    fence_proxy_async_cluster();
-    mbar_arrive_cluster(sb + L::kFull + 8 * buf);
-    mbar_arrive_cluster(peer + L::kFull + 8 * buf);
+    // This CTA's barrier: the local producers' arrivals plus the peer's st.async bytes.
+    if (t == 0) {
+      mbar_arrive_expect_tx(sb + full, kPeerBytes<F>);
+    } else {
+      mbar_arrive(sb + full);
+    }
 
-    if (nx.r > w.end_req) break;
-    nx = nx2;
+    if (last) break;
+    index1 = index2;
+    index2 = index3;
     tok = next_tok;
     raw = next_raw;
   }
@@ -334,14 +365,11 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
 
 // ---- consumers ----
 
-// Waits until buffer `buf`'s tile is complete (both producers' halves in a cluster).
-template <int kCluster>
+// Waits until buffer `buf`'s tile is complete (in a pair, with the peer's half), then
+// makes the producers' generic-proxy stores visible to this thread's wgmma reads.
 __device__ __forceinline__ void wait_full(uint32_t bar, uint32_t parity) {
-  if (kCluster > 1) {
-    mbar_wait_cluster(bar, parity);
-  } else {
-    mbar_wait(bar, parity);
-  }
+  mbar_wait(bar, parity);
+  fence_proxy_async();
 }
 
 // Called once the warp's wgmmas reading the buffer have completed: one arrival per warp
@@ -350,12 +378,8 @@ template <int kCluster>
 __device__ __forceinline__ void release_tile(uint32_t bar, uint32_t peer_bar) {
   __syncwarp();
   if ((threadIdx.x & 31) == 0) {
-    if (kCluster > 1) {
-      mbar_arrive_cluster(bar);
-      mbar_arrive_cluster(peer_bar);
-    } else {
-      mbar_arrive(bar);
-    }
+    mbar_arrive_relaxed(bar);
+    if (kCluster > 1) mbar_arrive_relaxed(peer_bar);
   }
 }
 
@@ -421,7 +445,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
   const int r0 = 16 * (t >> 5) + (lane >> 2);  // this thread's rows: r0, r0 + 8
   float* alpha_s = reinterpret_cast<float*>(smem + L::kAlpha);
   float* final_s = reinterpret_cast<float*>(smem + L::kFinal);
-  const uint64_t* valid_s = reinterpret_cast<const uint64_t*>(smem + L::kValid);
+  const uint32_t* valid_s = reinterpret_cast<const uint32_t*>(smem + L::kValid);
   uint8_t* p_s = smem + L::kP;
   const bool skip_mma = p.debug & 2;
 
@@ -449,7 +473,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
       named_bar_sync(kBarQReady, kWarpgroup);
       q_pending = false;
     }
-    wait_full<kCluster>(sb + L::kFull + 8 * buf, (n >> 1) & 1);
+    wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);
 
     // S = Q K^T
     float sacc[32];
@@ -473,7 +497,10 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     }
 
     // Online softmax (base 2) over this thread's 2 rows x 16 entries.
-    const uint64_t vm = valid_s[buf] >> (2 * c);
+    uint64_t vm = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) vm |= static_cast<uint64_t>(valid_s[8 * buf + k]) << (8 * k);
+    vm >>= 2 * c;
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const int col = 8 * (i >> 2) + (i & 1);
@@ -599,7 +626,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
     const uint32_t k_s = sb + L::kK + buf * L::kTile;
 
     named_bar_sync(kBarPReady, kConsumers);
-    wait_full<kCluster>(sb + L::kFull + 8 * buf, (n >> 1) & 1);  // (already complete: makes K visible here too)
+    wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);  // (already complete: makes K visible here too)
     const float a0 = alpha_s[r0];
     const float a1 = alpha_s[r0 + 8];
 #pragma unroll
@@ -651,7 +678,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      mbar_init(sb + L::kFull + 8 * i, kProducers * kCluster);
+      mbar_init(sb + L::kFull + 8 * i, kProducers);
       mbar_init(sb + L::kEmpty + 8 * i, kConsumerWarps * kCluster);
     }
     if (kCluster > 1) fence_mbarrier_init_cluster();
