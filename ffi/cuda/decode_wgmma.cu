@@ -10,7 +10,9 @@
 //   warpgroup 0: S = Q K^T (wgmma, both from smem), online softmax in base 2, P rounded
 //     to bf16 (registers and smem), O[:, 0:256] = alpha O + P V with P from registers.
 //   warpgroup 1: O[:, 256:512] = alpha O + P V with P and alpha from smem.
-//   Both consumers arrive on the buffer's `empty` mbarrier once their MMAs have read it.
+//   Each consumer warp arrives on the buffer's `empty` mbarrier once its MMAs have read
+//   it; after waiting on `full` the consumers fence the proxy (the producer writes with
+//   ordinary stores, wgmma reads through the async proxy).
 // At the end of a request's piece both consumers write their half of the output
 // columns: out/lse (one piece) or the fp32 partials for the combine pass.
 // Invalid entries are never read: their rows are zeros and their logits -inf.
@@ -18,10 +20,10 @@
 // With two or more head groups the CTAs of head groups 2i and 2i + 1 (same worker, same
 // query row: they walk the same blocks) form a cluster of two. Each CTA's producer then
 // handles half of every block (one entry per thread) and writes the bf16 rows into both
-// CTAs' K tiles (distributed shared memory); `full` waits for both producers and `empty`
-// for both CTAs' consumers. Dequantization is the wall, so this halves it. With one
-// entry per thread the producer also has the registers to request block j+1's bytes
-// before it dequantizes block j.
+// CTAs' K tiles (the peer's through st.async, which completes on the peer's `full`);
+// `empty` waits for both CTAs' consumers. Dequantization is the wall, so this halves it.
+// With one entry per thread the producer also has the registers to request block j+1's
+// bytes before it dequantizes block j (and prefetches block j+2 into L2).
 #include <cstdlib>
 #include <type_traits>
 
