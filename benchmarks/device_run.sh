@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
 # Logs go to $OUT (the device tool brings them back); a short summary is printed last.
-#   STAGES="build smoke pytest bench diag ktime ncu sanitize racecheck" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+#   STAGES="build smoke pytest bench diag ktime trace ncu sanitize racecheck" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jsm_out}
@@ -81,6 +81,13 @@ if has ktime; then  # device time of each kernel of a few steady-state calls (on
     --iters 3 >"$OUT/ktime.log" 2>&1
   grep -E "^  [a-z].*\(|gpu__time_duration" "$OUT/ktime.log" | paste - - | sed -E 's/ +/ /g' | cut -c1-160
   summary+=("ktime: $(grep -c gpu__time_duration "$OUT/ktime.log") kernels timed")
+fi
+
+if has trace; then  # bench wall time vs kernel time: one repetition under jax.profiler (CUPTI)
+  stamp trace
+  timeout ${TRACE_T:-150} python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} \
+    --no-xla --no-reference --iters 5 --trace /tmp/jsm_trace 2>&1 | tee "$OUT/trace.log" | grep -A8 "trace:"
+  summary+=("trace: $(grep -c 'trace:' "$OUT/trace.log") summaries")
 fi
 
 if has ncu; then  # hardware counters and per-instruction stall samples of one decode launch

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla import formats, ops, reference
+from jax_sparse_mla import formats, ops, reference, trace_summary
 from jax_sparse_mla.formats import KVFormat
 
 __all__ = ["Shape", "PRESETS", "main", "run_shape"]
@@ -238,13 +238,33 @@ def cost(shape: Shape, distinct_tokens: float):
 CALLS_PER_TIMING = 8
 
 
+def _traced_repetition(fn, args, calls: int, trace_dir: str) -> dict:
+    """One more repetition under the profiler; per-call device span, busy and idle µs."""
+    try:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(fn(*args))
+    except Exception as e:  # e.g. no CUPTI: the timing above still stands
+        return {"error": f"profiler failed: {type(e).__name__}: {str(e)[:200]}"}
+    path = trace_summary.latest_trace_file(trace_dir)
+    if path is None:
+        return {"error": f"no perfetto trace under {trace_dir}"}
+    s = trace_summary.summarize_file(path)
+    return dict(file=path, calls=calls, span_us=s["span_us"] / calls, busy_us=s["busy_us"] / calls,
+                idle_us=s["idle_us"] / calls,
+                kernels={name: k["total_us"] / calls for name, k in s["kernels"].items()},
+                text=trace_summary.format_summary(s, calls))
+
+
 def _sets_for(shape: Shape) -> int:
     """Enough q/index sets that consecutive calls touch more than twice the 60 MB L2."""
     per_call = shape.b * shape.s_q * (shape.topk + shape.extra_topk) * 656
     return int(min(32, max(2, math.ceil(120e6 / per_call))))
 
 
-def run_shape(shape: Shape, iters: int = 20, xla: bool = True, reference_path: bool = True) -> dict:
+def run_shape(shape: Shape, iters: int = 20, xla: bool = True, reference_path: bool = True,
+              trace_dir: str | None = None) -> dict:
+    """Times one shape; with `trace_dir`, one more repetition of our calls runs under
+    jax.profiler.trace there and row["trace"] splits it into kernel time and idle time."""
     # One input set per call: XLA merges calls with identical operands (they are pure).
     sets = max(_sets_for(shape), CALLS_PER_TIMING)
     inp = make_inputs(shape, sets)
@@ -273,6 +293,8 @@ def run_shape(shape: Shape, iters: int = 20, xla: bool = True, reference_path: b
     row = dict(shape=shape.name, fmt=shape.fmt, h_q=shape.h_q, s_q=shape.s_q, b=shape.b, topk=shape.topk,
                extra_topk=shape.extra_topk, us=us, tflops=flop / us * 1e-6, gbs=nbytes / us * 1e-3,
                flashmla_us=shape.flashmla_us, perf_xla_us=shape.perf_xla_us, sets=sets)
+    if trace_dir is not None:
+        row["trace"] = _traced_repetition(ours, args, calls, f"{trace_dir}/{shape.name}")
 
     if xla:
         @jax.jit
@@ -367,6 +389,9 @@ def main(argv=None):
     ap.add_argument("--no-reference", action="store_true", help="skip reference.sparse_mla_decode")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG bar chart")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--trace", metavar="DIR",
+                    help="profile one more repetition per shape (jax.profiler, Perfetto trace under DIR) "
+                         "and print its device span, kernel and idle time per call")
     ap.add_argument("--list", action="store_true", help="list the presets and exit")
     ap.add_argument("--allow-cpu", action="store_true",
                     help="run even without a GPU (the presets then take minutes and time the C++ CPU path)")
@@ -387,9 +412,12 @@ def main(argv=None):
     rows = []
     with _progress(len(names)) as advance:
         for n in names:
-            row = run_shape(PRESETS[n], iters=args.iters, xla=not args.no_xla, reference_path=not args.no_reference)
+            row = run_shape(PRESETS[n], iters=args.iters, xla=not args.no_xla, reference_path=not args.no_reference,
+                            trace_dir=args.trace)
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
+            if "trace" in row:
+                print(f"{n}: " + row["trace"].get("text", row["trace"].get("error", "")), flush=True)
             advance(n)
     print(table(rows))
     if args.json:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sparse_mla import bench, reference
+from jax_sparse_mla import bench, reference, trace_summary
 from tests.utils import assert_lse_close, assert_out_close, make_case, soften
 
 
@@ -39,3 +39,31 @@ def test_refuses_cpu_without_flag(capsys):
         pytest.skip("a GPU is present")
     assert bench.main(["--shapes", "v32_h128_s2_b1_k2048"]) == 2
     assert "--allow-cpu" in capsys.readouterr().err
+
+
+def test_trace_summary_splits_device_time():
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+    ]
+    events = meta + [
+        {"ph": "X", "pid": 1, "name": "host work", "ts": 0.0, "dur": 500.0},
+        {"ph": "X", "pid": 2, "name": "decode_kernel", "ts": 10.0, "dur": 40.0},
+        {"ph": "X", "pid": 2, "name": "combine_kernel", "ts": 45.0, "dur": 10.0},  # overlaps: busy 10..55
+        {"ph": "X", "pid": 2, "name": "decode_kernel", "ts": 70.0, "dur": 40.0},  # idle 55..70
+    ]
+    s = trace_summary.summarize_events(events)
+    assert s["kernels"]["decode_kernel"] == {"count": 2, "total_us": 80.0}
+    assert s["kernels"]["combine_kernel"]["count"] == 1 and "host work" not in s["kernels"]
+    assert (s["span_us"], s["busy_us"], s["idle_us"]) == (100.0, 85.0, 15.0)
+    text = trace_summary.format_summary(s, calls=2)
+    assert "50.0 µs of device span" in text and "decode_kernel" in text
+    assert "no device events" in trace_summary.format_summary(trace_summary.summarize_events(meta[:1]), 1)
+
+
+def test_run_shape_trace_on_cpu(tmp_path):
+    """--trace writes a Perfetto trace and reports it; the CPU backend has no device events."""
+    row = bench.run_shape(bench.Shape("V32", 16, 1, 2, 64, page=16, s_k=256), iters=1, xla=False,
+                          reference_path=False, trace_dir=str(tmp_path))
+    assert row["trace"]["file"].startswith(str(tmp_path)) and row["trace"]["calls"] == row["sets"]
+    assert row["trace"]["kernels"] == {} and "no device events" in row["trace"]["text"]
