@@ -719,6 +719,23 @@ struct DeviceSetup {
   int64_t pair_ctas = 0;  // 0: never use clusters on this device
 };
 
+// Launch configuration of the pair variant: clusters of two CTAs along grid z. `attr`
+// must outlive the configuration (it points at it).
+cudaLaunchConfig_t pair_config(dim3 grid, size_t smem, cudaStream_t stream, cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = 1;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 2;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 template <KVFormat F>
 ffi::Error set_up_device(DeviceSetup& d) {
   constexpr int kSmem = Smem<F>::kBytes;
@@ -727,16 +744,7 @@ ffi::Error set_up_device(DeviceSetup& d) {
   e = cudaFuncSetAttribute(decode_kernel<F, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (e != cudaSuccess) return cuda_failure("cudaFuncSetAttribute(decode_kernel, cluster)", e);
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 2;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(1, 1, 2);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  const cudaLaunchConfig_t cfg = pair_config(dim3(1, 1, 2), kSmem, nullptr, &attr);
   int clusters = 0;
   e = cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<F, 2>, &cfg);
   // A device that cannot tell (or a measurement switch) runs the CTAs on their own.
@@ -770,17 +778,7 @@ ffi::Error launch_kernel(const DecodeProblem& dp, cudaStream_t stream) {
     return check_launch("decode_kernel (wgmma)");
   }
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 2;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(dp.num_parts, dp.s_q, pair_groups);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = Smem<F>::kBytes;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  const cudaLaunchConfig_t cfg = pair_config(dim3(dp.num_parts, dp.s_q, pair_groups), Smem<F>::kBytes, stream, &attr);
   e = cudaLaunchKernelEx(&cfg, decode_kernel<F, 2>, p);
   if (e != cudaSuccess) return cuda_failure("cudaLaunchKernelEx(decode_kernel, cluster of 2)", e);
   return check_launch("decode_kernel (wgmma, cluster of 2)");
