@@ -48,25 +48,32 @@ def _worst(a, r, bad, limit=5):
     return "\n".join(lines)
 
 
-def _elementwise(actual, ref, atol, rtol, what):
-    a, r = _as_f64(actual), _as_f64(ref)
-    if a.shape != r.shape:
-        raise AssertionError(f"{what}: shape mismatch, actual {a.shape} vs expected {r.shape}")
+def out_of_tolerance(a, r, atol, rtol):
+    """Elementwise SPEC §5 rule on float64 arrays: the mask of elements failing
+    ``|a-r| <= atol or <= rtol*|r|`` (infinities must match, NaN never passes)."""
     nan = np.isnan(a) | np.isnan(r)
     inf = np.isinf(a) | np.isinf(r)
     with np.errstate(invalid="ignore"):
         diff = np.abs(a - r)
         close = (diff <= atol) | (diff <= rtol * np.abs(r))
-    ok = np.where(inf, a == r, close) & ~nan
-    if not ok.all():
-        bad = ~ok
+    return ~(np.where(inf, a == r, close) & ~nan)
+
+
+def _elementwise(actual, ref, atol, rtol, what):
+    a, r = _as_f64(actual), _as_f64(ref)
+    if a.shape != r.shape:
+        raise AssertionError(f"{what}: shape mismatch, actual {a.shape} vs expected {r.shape}")
+    bad = out_of_tolerance(a, r, atol, rtol)
+    if bad.any():
+        nan = np.isnan(a) | np.isnan(r)
+        inf = np.isinf(a) | np.isinf(r)
         raise AssertionError(
             f"{what}: {int(bad.sum())} of {a.size} elements out of tolerance "
             f"(|diff| <= {atol:g} or <= {rtol:.6g}*|expected|; infinities must match; NaN never "
             f"passes; {int((nan & bad).sum())} NaN, {int((inf & bad).sum())} inf mismatches). "
             f"Worst:\n{_worst(a, r, bad)}"
         )
-    return a, r, inf
+    return a, r, np.isinf(a) | np.isinf(r)
 
 
 def assert_out_close(actual, ref):
