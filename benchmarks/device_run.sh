@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
 # Logs go to $OUT (the device tool brings them back); a short summary is printed last.
-#   STAGES="build smoke pytest bench diag ktime trace ncu sanitize racecheck" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+#   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+# Stage `anchor` is the yardstick against FlashMLA (kernel time of both on identical inputs):
+# it needs a copy of FlashMLA's measuring harness in .anchor/ (git-ignored, carried to the device)
+# and runs .anchor/ktime.sh on $KSHAPES.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jsm_out}
@@ -83,6 +86,17 @@ if has ktime; then  # device time of each kernel of a few steady-state calls (on
   summary+=("ktime: $(grep -c gpu__time_duration "$OUT/ktime.log") kernels timed")
 fi
 
+if has anchor; then  # ours vs FlashMLA, kernel time per call from ncu, same inputs
+  stamp anchor
+  if [[ -f .anchor/ktime.sh ]]; then
+    python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1 || tail -20 "$OUT/fm_build.log"
+    OUT="$OUT" KSHAPES="${KSHAPES:-v32_h128_s2_b128_k2048}" bash .anchor/ktime.sh 2>&1 | grep -E "KTIME|median"
+    summary+=("$(grep KTIME "$OUT/ktime.txt" 2>/dev/null)")
+  else
+    summary+=("anchor: no .anchor/ (copy FlashMLA's harness there and carry it)")
+  fi
+fi
+
 if has trace; then  # bench wall time vs kernel time: one repetition under jax.profiler (CUPTI)
   stamp trace
   timeout ${TRACE_T:-150} python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} \
@@ -90,9 +104,13 @@ if has trace; then  # bench wall time vs kernel time: one repetition under jax.p
   summary+=("trace: $(grep -c 'trace:' "$OUT/trace.log") summaries")
 fi
 
-if has ncu; then  # hardware counters and per-instruction stall samples of one decode launch
+if has ncu; then  # hardware counters and per-instruction counts/stalls of one decode launch
   stamp ncu
-  timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel -c 1 --set full -o "$OUT/prof" -f \
+  # (--set full crashes the JAX process at start-up; these sections work)
+  timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel -c 1 --import-source yes \
+    --section SpeedOfLight --section WarpStateStats --section InstructionStats --section LaunchStats \
+    --section Occupancy --section SchedulerStats --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section SourceCounters -o "$OUT/prof" -f \
     python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
     --iters 1 >"$OUT/ncu.log" 2>&1
   ncu -i "$OUT/prof.ncu-rep" --page details >"$OUT/ncu_details.txt" 2>&1

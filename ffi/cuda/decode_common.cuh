@@ -1,5 +1,5 @@
-// The decode kernel's parameters, the walk over a worker's blocks (SPEC §6), where a
-// list entry's bytes are, and the exact FP8 -> bf16 rule.
+// The decode kernel's parameters, the walk over a worker's blocks (split_plan.h), where
+// a list entry's bytes are, and the FP8 -> bf16 rule (kv_format.h) on packed registers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +20,17 @@ constexpr int kTokens = kBlockEntries;  // 64 entries per block
 constexpr float kInitMax = -1e30f;      // running max before any entry (finite: no inf - inf)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.69314718055994531f;
+
+// Where the time goes, for kernel work only: build with -DJSM_TIMING_EXPERIMENT=1 to skip
+// the cache loads or =2 to skip the MMAs (results are then wrong). A compile-time
+// constant: a shipped build has no trace of it.
+#ifdef JSM_TIMING_EXPERIMENT
+constexpr int kTimingExperiment = JSM_TIMING_EXPERIMENT;
+#else
+constexpr int kTimingExperiment = 0;
+#endif
+constexpr bool kSkipLoads = kTimingExperiment == 1;
+constexpr bool kSkipMma = kTimingExperiment == 2;
 
 struct Params {
   const uint16_t* q;
@@ -42,10 +53,7 @@ struct Params {
   int batch, s_q, h_q, topk, extra_topk;
   float scale_log2;
   int has_sink;
-  int kv_align16, extra_align16;  // 16-byte copies possible (else 8-byte)
-  int debug;  // timing experiments only (compile-time JSM_TIMING_EXPERIMENT): 1 skips the gathers, 2 the MMAs
 };
-
 
 inline Params make_params(const DecodeProblem& dp) {
   Params p;
@@ -75,25 +83,21 @@ inline Params make_params(const DecodeProblem& dp) {
   p.extra_topk = dp.extra_topk;
   p.scale_log2 = dp.sm_scale * kLog2e;
   p.has_sink = dp.has_sink ? 1 : 0;
-  // Timing experiments only, never in a shipped build: compile with
-  // -DJSM_TIMING_EXPERIMENT=1 (skip gathers) or 2 (skip MMAs); results are then wrong.
-#ifdef JSM_TIMING_EXPERIMENT
-  p.debug = JSM_TIMING_EXPERIMENT;
-#else
-  p.debug = 0;
-#endif
-  const int64_t bpt = bytes_per_token(dp.format);
-  auto aligned16 = [&](const uint8_t* base, int64_t ps) {
-    return (reinterpret_cast<uintptr_t>(base) % 16 == 0) && ((ps * bpt) % 16 == 0) &&
-           (dp.format == KVFormat::kV32 || (Model1Layout::kDataBytes % 16 == 0));
-  };
-  p.kv_align16 = aligned16(dp.kv, dp.page_size) ? 1 : 0;
-  p.extra_align16 = aligned16(dp.extra_kv, dp.extra_page_size) ? 1 : 0;
   return p;
 }
 
-// Launches the kernel (decode_wgmma.cu) on the checked problem.
-ffi::Error launch_wgmma(const DecodeProblem& dp, cudaStream_t stream);
+// Whether every token row of both caches starts 16-byte aligned, so that the kernel may
+// read it with 16-byte loads (else 8-byte loads: MODEL1 pages of an odd size).
+inline bool caches_aligned16(const DecodeProblem& dp) {
+  const int64_t bpt = bytes_per_token(dp.format);
+  auto aligned = [&](const uint8_t* base, int64_t ps) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (ps * bpt) % 16 == 0;
+  };
+  return aligned(dp.kv, dp.page_size) && (dp.extra_topk == 0 || aligned(dp.extra_kv, dp.extra_page_size));
+}
+
+// Launches the kernel (decode_launch.cu) on the checked problem.
+ffi::Error launch_decode(const DecodeProblem& dp, cudaStream_t stream);
 
 // Position in a worker's sequence of blocks.
 struct Cursor {
@@ -118,18 +122,8 @@ __device__ __forceinline__ void cursor_advance(Cursor& c, const Params& p, int e
   if (++c.blk >= c.end) cursor_enter(c, p, c.r + 1, 0, end_req, end_block);
 }
 
-// One list entry of a block, as seen by the threads that copy it: where its bytes are
-// (computed one block ahead, so the index load and the address math are off the
-
-struct TokenRef {
-  const uint8_t* data;    // the token's bytes (MODEL1: region A); any mapped address if invalid
-  const uint8_t* scales;  // MODEL1: the token's 8 scale bytes (region B)
-  int valid;
-  int a16;  // 16-byte copies possible
-};
-
 // A list entry's index as loaded (kind 0: no entry; 1: main list; 2: extra list), kept
-// apart from the address math so that a loop can load indices a block ahead.
+// apart from the address math so that a loop can load indices blocks ahead.
 struct EntryIndex {
   int idx;
   int kind;
@@ -151,19 +145,23 @@ __device__ __forceinline__ EntryIndex load_entry(const Cursor& c, const Params& 
   return x;
 }
 
+// Where a list entry's bytes are: `data` is null for an entry that is absent or whose
+// index is outside its cache (never read: its row is zeros and its logit -inf).
+struct TokenRef {
+  const uint8_t* data;    // the token's bytes (MODEL1: region A)
+  const uint8_t* scales;  // MODEL1: the token's 8 scale bytes (region B); V32: unused
+};
+
 template <KVFormat F>
 __device__ __forceinline__ TokenRef resolve_entry(const EntryIndex& x, const Params& p) {
-  TokenRef t{p.kv, p.kv, 0, 1};
+  TokenRef t{nullptr, nullptr};
   if (x.kind == 0) return t;
   const bool extra = x.kind == 2;
   const int idx = x.idx;
-  t.valid = idx >= 0 && static_cast<int64_t>(idx) < (extra ? p.extra_num_tokens : p.num_tokens);
-  if (!t.valid) return t;
+  if (idx < 0 || static_cast<int64_t>(idx) >= (extra ? p.extra_num_tokens : p.num_tokens)) return t;
   const uint8_t* cache = extra ? p.extra_kv : p.kv;
-  t.a16 = extra ? p.extra_align16 : p.kv_align16;
   if (F == KVFormat::kV32) {
     t.data = cache + static_cast<int64_t>(idx) * V32Layout::kBytesPerToken;
-    t.scales = t.data;
   } else {
     const int64_t ps = extra ? p.extra_page_size : p.page_size;
     const uint32_t ups = static_cast<uint32_t>(ps);
@@ -176,29 +174,13 @@ __device__ __forceinline__ TokenRef resolve_entry(const EntryIndex& x, const Par
   return t;
 }
 
-// ---- dequantization (SPEC §2) ----
+// ---- dequantization (kv_format.h: bf16(code * bf16(scale)), one rounding) ----
 //
-// An e4m3fn code b, placed as (b & 0x80) << 8 | (b & 0x7f) << 4, is the bf16 of
-// code * 2^-120 exactly (subnormal codes included). One bf16 multiply by
-// bf16(scale) * 2^120 then gives bf16(code * bf16(scale)) with one rounding, as the
-// rule asks. When bf16(scale) * 2^120 would overflow (finite scale >= 2^8) we first
-// multiply by 2^120 (exact) and then by bf16(scale). NaN codes (0x7f, 0xff) are
-// detected per thread; one NaN written into the token's row makes the token's logit
-// NaN, which makes every output of the row NaN exactly as the exact rule does.
-
-struct ScaleMul {
-  uint32_t mul2;  // bf16x2 multiplier
-  bool slow;      // multiply by 2^120 first
-};
-
-__device__ __forceinline__ ScaleMul scale_mul(float sb) {
-  const float pre = sb * 0x1p120f;
-  ScaleMul m;
-  m.slow = isinf(pre) && !isinf(sb);
-  const uint32_t bits = __float_as_uint(m.slow ? sb : pre) >> 16;  // exact: both are bf16 values
-  m.mul2 = bits | (bits << 16);
-  return m;
-}
+// Hardware conversions all the way: e4m3 pairs -> f16 pairs (exact: every e4m3 value,
+// subnormals included, is a normal f16), f16 -> f32 -> bf16 (exact: 4 significant bits),
+// then one bf16 multiply by bf16(scale): the product of two bf16 is exact before its
+// single rounding, and bf16 has float32's exponent range, so every scale is exact on this
+// path. NaN codes and NaN scales come out NaN, as the rule asks.
 
 // Two floats -> bf16x2 (round to nearest even), `lo` in the low half.
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -207,37 +189,47 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return r;
 }
 
-__device__ __forceinline__ uint32_t fp8x2_raw(uint32_t w, uint32_t sel) {
-  const uint32_t a = __byte_perm(w, 0u, sel);  // code0 << 8 | code1 << 24
-  return (a & 0x80008000u) | ((a >> 4) & 0x07f007f0u);
+// bf16(s) in both halves.
+__device__ __forceinline__ uint32_t bf16x2_splat(float s) { return pack_bf16x2(s, s); }
+
+// A UE8M0 scale byte (2^(e - 127); 255 is NaN) as bf16 bits in both halves.
+__device__ __forceinline__ uint32_t ue8m0_bf16x2(uint32_t e) {
+  const uint32_t bits = e == 0 ? 0x0040u : (e == 255 ? 0x7fc0u : e << 7);  // 2^-127 is a bf16 subnormal
+  return bits | (bits << 16);
 }
 
-// Bit 7 of a byte of the result is set iff that byte of one of the 16 codes is a NaN code.
-__device__ __forceinline__ uint32_t nan_flags(const uint4 w) {
-  return ((w.x & 0x7f7f7f7fu) + 0x01010101u) | ((w.y & 0x7f7f7f7fu) + 0x01010101u) |
-         ((w.z & 0x7f7f7f7fu) + 0x01010101u) | ((w.w & 0x7f7f7f7fu) + 0x01010101u);
+// Four e4m3 codes (the first in the low byte) times `scale2`: codes 0, 1 in `lo`, 2, 3 in `hi`.
+__device__ __forceinline__ void dequant4(uint32_t w, uint32_t scale2, uint32_t& lo, uint32_t& hi) {
+  uint32_t b0, b1;
+  asm("{\n"
+      ".reg .b16 c01, c23;\n"
+      ".reg .b32 h01, h23;\n"
+      ".reg .b16 h0, h1, h2, h3;\n"
+      ".reg .f32 f0, f1, f2, f3;\n"
+      "mov.b32 {c01, c23}, %2;\n"
+      "cvt.rn.f16x2.e4m3x2 h01, c01;\n"
+      "cvt.rn.f16x2.e4m3x2 h23, c23;\n"
+      "mov.b32 {h0, h1}, h01;\n"
+      "mov.b32 {h2, h3}, h23;\n"
+      "cvt.f32.f16 f0, h0;\n"
+      "cvt.f32.f16 f1, h1;\n"
+      "cvt.f32.f16 f2, h2;\n"
+      "cvt.f32.f16 f3, h3;\n"
+      "cvt.rn.bf16x2.f32 %0, f1, f0;\n"
+      "cvt.rn.bf16x2.f32 %1, f3, f2;\n"
+      "}\n"
+      : "=r"(b0), "=r"(b1)
+      : "r"(w));
+  lo = bf16x2_mul(b0, scale2);
+  hi = bf16x2_mul(b1, scale2);
 }
 
-// 16 codes -> 16 bf16 (two 16-byte vectors). kSlow: multiply by 2^120 first (exact),
-// then by `mul2` = bf16(scale); otherwise `mul2` = bf16(scale) * 2^120 (one rounding).
-// NaN codes come out finite here: callers check nan_flags.
-template <bool kSlow>
-__device__ __forceinline__ void dequant16(const uint4 w, uint32_t mul2, uint4& o0, uint4& o1) {
-  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-  uint32_t r[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    r[2 * i] = fp8x2_raw(ws[i], 0x1404u);
-    r[2 * i + 1] = fp8x2_raw(ws[i], 0x3424u);
-  }
-  if (kSlow) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) r[i] = bf16x2_mul(r[i], 0x7b807b80u);  // 2^120
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) r[i] = bf16x2_mul(r[i], mul2);
-  o0 = make_uint4(r[0], r[1], r[2], r[3]);
-  o1 = make_uint4(r[4], r[5], r[6], r[7]);
+// 16 codes -> 16 bf16 (two 16-byte vectors).
+__device__ __forceinline__ void dequant16(const uint4 w, uint32_t scale2, uint4& o0, uint4& o1) {
+  dequant4(w.x, scale2, o0.x, o0.y);
+  dequant4(w.y, scale2, o0.z, o0.w);
+  dequant4(w.z, scale2, o1.x, o1.y);
+  dequant4(w.w, scale2, o1.z, o1.w);
 }
 
 }  // namespace cuda

@@ -1,5 +1,5 @@
 // jsm_decode on CUDA (sm_90a): checks the operands and launches the decode kernel
-// (decode_wgmma.cu).
+// (decode_launch.cu).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -29,7 +29,7 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv,
     return invalid("CUDA decode: kv caches must be 8-byte aligned");
   if (dp.s_q > 65535 || (dp.h_q + kRows - 1) / kRows > 65535)
     return invalid("CUDA decode: s_q or h_q too large for the launch grid");
-  return launch_wgmma(dp, stream);
+  return launch_decode(dp, stream);
 }
 
 }  // namespace

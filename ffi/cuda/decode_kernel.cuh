@@ -1,12 +1,13 @@
-// jsm_decode's kernel on Hopper: warp-specialized, wgmma.
+// jsm_decode's kernel on Hopper: warp-specialized, wgmma. The launch configuration is in
+// decode_launch.cu.
 //
 // One CTA of 384 threads (three warpgroups) per (worker, query row, group of 64 heads),
-// one CTA per SM. For each block of 64 list entries (SPEC §6):
-//   warpgroup 2 (producer, two entries per thread): loads the entries' cache bytes into
-//     registers, dequantizes them (exact SPEC §2 rule) and stores the bf16 K tile into
-//     one of two shared buffers, then signals the buffer's `full` mbarrier. Its loads
-//     for block j+1 are in flight while the consumers work on block j; the indices are
-//     loaded one block earlier still.
+// one CTA per SM. For each block of 64 list entries (split_plan.h):
+//   warpgroup 2 (producer): loads the entries' cache bytes into registers, dequantizes
+//     them (kv_format.h's rule, hardware conversions) and stores the bf16 K tile into one
+//     of two shared buffers, then signals the buffer's `full` mbarrier. It runs ahead of
+//     the stores: later blocks' bytes are requested into registers or L2 and their
+//     indices loaded before the current block is dequantized.
 //   warpgroup 0: S = Q K^T (wgmma, both from smem), online softmax in base 2, P rounded
 //     to bf16 (registers and smem), O[:, 0:256] = alpha O + P V with P from registers.
 //   warpgroup 1: O[:, 256:512] = alpha O + P V with P and alpha from smem.
@@ -21,10 +22,10 @@
 // query row: they walk the same blocks) form a cluster of two. Each CTA's producer then
 // handles half of every block (one entry per thread) and writes the bf16 rows into both
 // CTAs' K tiles (the peer's through st.async, which completes on the peer's `full`);
-// `empty` waits for both CTAs' consumers. Dequantization is the wall, so this halves it.
-// With one entry per thread the producer also has the registers to request block j+1's
-// bytes before it dequantizes block j (and prefetches block j+2 into L2).
-#include <cstdlib>
+// `empty` waits for both CTAs' consumers. Dequantization is the producer's wall, so this
+// halves it, and one entry per thread leaves the registers to hold the next block's bytes.
+#pragma once
+
 #include <type_traits>
 
 #include "cuda/cluster.cuh"
@@ -33,7 +34,6 @@
 
 namespace jsm {
 namespace cuda {
-namespace {
 
 constexpr int kThreads = 384;
 constexpr int kWarpgroup = 128;
@@ -61,6 +61,7 @@ struct Fmt {
   static constexpr int kNope = Layout::kNopeDims;
   static constexpr int kNopeSpans = kNope / 64;
   static constexpr int kSpansPerScale = Layout::kTileDims / 64;
+  static constexpr int kScales = Layout::kNumTiles;
   static constexpr int kRopeOffset = Layout::kRopeOffset;
 };
 
@@ -80,6 +81,7 @@ struct Smem {
   static constexpr int kEmpty = kFull + 2 * 8;             // 2 mbarriers
   static constexpr int kBytes = kEmpty + 2 * 8;
   static_assert(kBytes <= 232448, "shared memory over the sm_90 per-block limit");
+  static_assert(kValid % 16 == 0, "valid words are read as 16-byte vectors");
 };
 
 struct Work {
@@ -106,6 +108,14 @@ __device__ __forceinline__ void zero(float (&r)[N]) {
   for (int i = 0; i < N; ++i) r[i] = 0.f;
 }
 
+// exp2 on the special-function unit; results under 2^-126 flush to zero (negligible
+// probabilities next to the row maximum's 1).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- producer ----
 
 // One token's share of a producer thread: 16 bytes of each 64-byte span of codes, 16
@@ -117,10 +127,11 @@ struct RawToken {
   uint4 scales;  // V32: 4 float32; MODEL1: 8 UE8M0 bytes in .x, .y
 };
 
-// 16 bytes of an entry; the L2 fetches the surrounding 256 bytes, so an entry's later
-// spans find their lines already on the way.
-__device__ __forceinline__ uint4 load16(const uint8_t* src, int a16) {
-  if (a16) {
+// 16 bytes of a token row. Aligned rows: one load whose L2 fetch spans the surrounding
+// 256 bytes, so an entry's later spans find their lines already on the way.
+template <bool kAligned>
+__device__ __forceinline__ uint4 load16(const uint8_t* src) {
+  if (kAligned) {
     uint4 r;
     asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(src));
     return r;
@@ -130,168 +141,31 @@ __device__ __forceinline__ uint4 load16(const uint8_t* src, int a16) {
   return make_uint4(lo.x, lo.y, hi.x, hi.y);
 }
 
-template <KVFormat F>
-__device__ __forceinline__ void load_token(const TokenRef& t, int q4, bool skip, RawToken<F>& raw) {
-  if (!t.valid || skip) {
+template <KVFormat F, bool kAligned>
+__device__ __forceinline__ void load_token(const TokenRef& t, int q4, RawToken<F>& raw) {
+  if (t.data == nullptr || kSkipLoads) {
 #pragma unroll
     for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) raw.nope[i] = make_uint4(0, 0, 0, 0);
     raw.rope[0] = raw.rope[1] = raw.scales = make_uint4(0, 0, 0, 0);
     return;
   }
 #pragma unroll
-  for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) raw.nope[i] = load16(t.data + 64 * i + 16 * q4, t.a16);
+  for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) raw.nope[i] = load16<kAligned>(t.data + 64 * i + 16 * q4);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) raw.rope[r] = load16(t.data + Fmt<F>::kRopeOffset + 64 * r + 16 * q4, t.a16);
+  for (int r = 0; r < 2; ++r) raw.rope[r] = load16<kAligned>(t.data + Fmt<F>::kRopeOffset + 64 * r + 16 * q4);
   if (F == KVFormat::kV32) {
-    raw.scales = load16(t.data + V32Layout::kScaleOffset, t.a16);
+    raw.scales = load16<kAligned>(t.data + V32Layout::kScaleOffset);
   } else {
     const uint2 b = __ldg(reinterpret_cast<const uint2*>(t.scales));
     raw.scales = make_uint4(b.x, b.y, 0, 0);
   }
 }
 
-// Scale of tile k (SPEC §2: V32 scales are rounded to bf16 first; UE8M0 are exact).
-template <KVFormat F>
-__device__ __forceinline__ float tile_scale(const uint4& scales, int k) {
-  if (F == KVFormat::kV32) {
-    const uint32_t w = k == 0 ? scales.x : k == 1 ? scales.y : k == 2 ? scales.z : scales.w;
-    return round_to_bf16(__uint_as_float(w));
-  } else {
-    const uint32_t w = k < 4 ? scales.x : scales.y;
-    return ue8m0_to_float(static_cast<uint8_t>(w >> (8 * (k & 3))));
-  }
-}
-
-// Span i's 16 bf16 into the tile (column groups 8 i + 2 q4 and the next); the entry's
-// first span carries the NaN that a NaN code anywhere in the thread's share calls for
-// (one NaN in the entry's row makes its logit, and the row's output, NaN).
-// kPeer: the same bytes also go to the peer CTA's tile at `peer_dst` (a cluster
-// address), completing transactions on the peer's `full` barrier `peer_full`.
-template <KVFormat F, bool kPeer>
-__device__ __forceinline__ void store_span(uint8_t* dst, uint32_t peer_dst, uint32_t peer_full, int i, int q4, uint4 o0,
-                                           const uint4& o1, bool nan) {
-  constexpr int GS = Smem<F>::kGroupStride;
-  if (i == 0 && nan) o0.x = (o0.x & 0xffff0000u) | 0x7fc0u;
-  const int g = 8 * i + 2 * q4;
-  *reinterpret_cast<uint4*>(dst + g * GS) = o0;
-  *reinterpret_cast<uint4*>(dst + (g + 1) * GS) = o1;
-  if (kPeer) {
-    st_async_v4(peer_dst + g * GS, o0, peer_full);
-    st_async_v4(peer_dst + (g + 1) * GS, o1, peer_full);
-  }
-}
-
-// Dequantizes the thread's share of one entry into row `tok` of the K tile at `kt` (and,
-// kPeer, of the peer CTA's tile at cluster address `peer_kt`, with st.async completing
-// on the peer's `full` barrier `peer_full`). Scales of 2^8 and above
-// need two multiplies (scale_mul); they take a rolled loop that reloads the codes, so
-// that the common path stays short and the code small.
-template <KVFormat F, bool kPeer>
-__device__ __forceinline__ void store_token(const RawToken<F>& raw, const TokenRef& t, uint8_t* kt, uint32_t peer_kt,
-                                            uint32_t peer_full, int tok, int q4) {
-  constexpr int GS = Smem<F>::kGroupStride;
-  constexpr int kSpans = Fmt<F>::kNopeSpans;
-  constexpr int kScales = kSpans / Fmt<F>::kSpansPerScale;
-  uint8_t* dst = kt + tok * 16;
-  const uint32_t peer_dst = peer_kt + tok * 16;
-  uint32_t flags = 0;
-#pragma unroll
-  for (int i = 0; i < kSpans; ++i) flags |= nan_flags(raw.nope[i]);
-  const bool nan = flags & 0x80808080u;
-  uint32_t mul[kScales];
-  bool slow = false;
-#pragma unroll
-  for (int k = 0; k < kScales; ++k) {
-    const ScaleMul sm = scale_mul(tile_scale<F>(raw.scales, k));
-    mul[k] = sm.mul2;
-    slow |= sm.slow;
-  }
-  if (!slow) {
-#pragma unroll
-    for (int i = 0; i < kSpans; ++i) {
-      uint4 o0, o1;
-      dequant16<false>(raw.nope[i], mul[i / Fmt<F>::kSpansPerScale], o0, o1);
-      store_span<F, kPeer>(dst, peer_dst, peer_full, i, q4, o0, o1, nan);
-    }
-  } else {
-#pragma unroll 1
-    for (int i = 0; i < kSpans; ++i) {
-      const uint4 w = load16(t.data + 64 * i + 16 * q4, t.a16);
-      const ScaleMul sm = scale_mul(tile_scale<F>(raw.scales, i / Fmt<F>::kSpansPerScale));
-      uint4 o0, o1;
-      if (sm.slow) {
-        dequant16<true>(w, sm.mul2, o0, o1);
-      } else {
-        dequant16<false>(w, sm.mul2, o0, o1);
-      }
-      store_span<F, kPeer>(dst, peer_dst, peer_full, i, q4, o0, o1, nan);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int g = Fmt<F>::kNope / 8 + 4 * r + q4;
-    *reinterpret_cast<uint4*>(dst + g * GS) = raw.rope[r];
-    if (kPeer) st_async_v4(peer_dst + g * GS, raw.rope[r], peer_full);
-  }
-}
-
-// Producer of a CTA on its own: thread t (0..127) handles entries slot and slot + 32 of
-// every block, 16 bytes of each 64-byte span (q4): a warp instruction reads 64
-// contiguous bytes of 8 entries and writes 4 x 128 contiguous bytes of the tile.
-template <KVFormat F>
-__device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
-  using L = Smem<F>;
-  const int t = threadIdx.x - kConsumers;
-  const int pw = t >> 5;
-  const int lane = t & 31;
-  const int slot = 8 * pw + (lane & 7);
-  const int q4 = lane >> 3;
-  const bool skip_loads = p.debug & 1;
-  uint32_t* valid_words = reinterpret_cast<uint32_t*>(smem + L::kValid);
-
-  Cursor cur;
-  cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
-  EntryIndex e0 = load_entry(cur, p, s, w.end_req, slot);
-  EntryIndex e1 = load_entry(cur, p, s, w.end_req, slot + 32);
-  for (int n = 0;; ++n) {
-    const TokenRef t0 = resolve_entry<F>(e0, p);
-    const TokenRef t1 = resolve_entry<F>(e1, p);
-    RawToken<F> raw0, raw1;
-    load_token<F>(t0, q4, skip_loads, raw0);
-    load_token<F>(t1, q4, skip_loads, raw1);
-    Cursor nx = cur;
-    cursor_advance(nx, p, w.end_req, w.end_block);
-    e0 = load_entry(nx, p, s, w.end_req, slot);  // used next iteration: their latency is hidden
-    e1 = load_entry(nx, p, s, w.end_req, slot + 32);
-
-    const int buf = n & 1;
-    uint8_t* kt = smem + L::kK + buf * L::kTile;
-    mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);
-    store_token<F, false>(raw0, t0, kt, 0, 0, slot, q4);
-    store_token<F, false>(raw1, t1, kt, 0, 0, slot + 32, q4);
-    const uint32_t v0 = __ballot_sync(0xffffffffu, t0.valid) & 0xffu;  // lanes 0..7: entries 8 pw ..
-    const uint32_t v1 = __ballot_sync(0xffffffffu, t1.valid) & 0xffu;
-    if (lane == 0) {
-      valid_words[8 * buf + pw] = v0;
-      valid_words[8 * buf + 4 + pw] = v1;
-    }
-    mbar_arrive(sb + L::kFull + 8 * buf);  // (the consumers make the tile visible to wgmma)
-
-    if (nx.r > w.end_req) break;
-    cur = nx;
-  }
-}
-
-// Bytes a pair producer writes into its peer per block: half the tile's rows and 4
-// valid-mask words.
-template <KVFormat F>
-constexpr uint32_t kPeerBytes = (kTokens / 2) * Fmt<F>::kDqk * 2 + 4 * 4;
-
 // Brings a valid entry's bytes into L2 (lanes q4 and q4 + 4 of its 128-byte lines), so
 // that the register loads a block later wait for L2 rather than for memory.
 template <KVFormat F>
 __device__ __forceinline__ void prefetch_token_l2(const TokenRef& t, int q4) {
-  if (!t.valid) return;
+  if (t.data == nullptr || kSkipLoads) return;
   constexpr int kRowBytes = F == KVFormat::kV32 ? V32Layout::kBytesPerToken : Model1Layout::kDataBytes;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
@@ -301,11 +175,116 @@ __device__ __forceinline__ void prefetch_token_l2(const TokenRef& t, int q4) {
   if (F == KVFormat::kModel1 && q4 == 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(t.scales));
 }
 
+// bf16(scale) of each tile, in both halves of a word.
+template <KVFormat F>
+__device__ __forceinline__ void tile_scales(const uint4& s, uint32_t (&scale2)[Fmt<F>::kScales]) {
+  if (F == KVFormat::kV32) {
+    const uint32_t w[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+    for (int k = 0; k < Fmt<F>::kScales; ++k) scale2[k] = bf16x2_splat(__uint_as_float(w[k & 3]));
+  } else {
+#pragma unroll
+    for (int k = 0; k < Fmt<F>::kScales; ++k) scale2[k] = ue8m0_bf16x2(((k < 4 ? s.x : s.y) >> (8 * (k & 3))) & 0xffu);
+  }
+}
+
+// Dequantizes the thread's share of one entry into row `tok` of the K tile at `kt` and,
+// kPeer, of the peer CTA's tile at cluster address `peer_kt` (st.async completing on the
+// peer's `full` barrier `peer_full`).
+template <KVFormat F, bool kPeer>
+__device__ __forceinline__ void store_token(const RawToken<F>& raw, uint8_t* kt, uint32_t peer_kt, uint32_t peer_full,
+                                            int tok, int q4) {
+  constexpr int GS = Smem<F>::kGroupStride;
+  uint8_t* dst = kt + tok * 16;
+  const uint32_t peer_dst = peer_kt + tok * 16;
+  uint32_t scale2[Fmt<F>::kScales];
+  tile_scales<F>(raw.scales, scale2);
+  auto put = [&](int g, const uint4& v) {  // column group g of the row
+    *reinterpret_cast<uint4*>(dst + g * GS) = v;
+    if (kPeer) st_async_v4(peer_dst + g * GS, v, peer_full);
+  };
+#pragma unroll
+  for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) {
+    uint4 o0, o1;
+    dequant16(raw.nope[i], scale2[i / Fmt<F>::kSpansPerScale], o0, o1);
+    put(8 * i + 2 * q4, o0);
+    put(8 * i + 2 * q4 + 1, o1);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) put(Fmt<F>::kNope / 8 + 4 * r + q4, raw.rope[r]);
+}
+
+// Producer of a CTA on its own: thread t (0..127) handles entries slot and slot + 32 of
+// every block, 16 bytes of each 64-byte span (q4): a warp instruction reads 64
+// contiguous bytes of 8 entries and writes 4 x 128 contiguous bytes of the tile.
+// Two entries take the registers, so a block's bytes are loaded when it is its turn;
+// the next block's are prefetched into L2 a block earlier, their indices two earlier.
+template <KVFormat F, bool kAligned>
+__device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
+  using L = Smem<F>;
+  const int t = threadIdx.x - kConsumers;
+  const int pw = t >> 5;
+  const int lane = t & 31;
+  const int slot = 8 * pw + (lane & 7);
+  const int q4 = lane >> 3;
+  uint32_t* valid_words = reinterpret_cast<uint32_t*>(smem + L::kValid);
+
+  Cursor c;
+  cursor_enter(c, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  TokenRef cur[2];  // block n
+#pragma unroll
+  for (int e = 0; e < 2; ++e) cur[e] = resolve_entry<F>(load_entry(c, p, s, w.end_req, slot + 32 * e), p);
+  cursor_advance(c, p, w.end_req, w.end_block);
+  bool has_next = c.r <= w.end_req;
+  EntryIndex idx[2];  // block n + 1
+#pragma unroll
+  for (int e = 0; e < 2; ++e) idx[e] = load_entry(c, p, s, w.end_req, slot + 32 * e);
+  cursor_advance(c, p, w.end_req, w.end_block);  // c: block n + 2
+
+  for (int n = 0;; ++n) {
+    RawToken<F> raw[2];
+    TokenRef nxt[2];
+    EntryIndex idx2[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      load_token<F, kAligned>(cur[e], q4, raw[e]);
+      nxt[e] = resolve_entry<F>(idx[e], p);
+      prefetch_token_l2<F>(nxt[e], q4);
+      idx2[e] = load_entry(c, p, s, w.end_req, slot + 32 * e);
+    }
+
+    const int buf = n & 1;
+    uint8_t* kt = smem + L::kK + buf * L::kTile;
+    mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      store_token<F, false>(raw[e], kt, 0, 0, slot + 32 * e, q4);
+      const uint32_t v = __ballot_sync(0xffffffffu, cur[e].data != nullptr) & 0xffu;  // lanes 0..7: entries slot ..
+      if (lane == 0) valid_words[8 * buf + 4 * e + pw] = v;
+    }
+    mbar_arrive(sb + L::kFull + 8 * buf);  // (the consumers make the tile visible to wgmma)
+
+    if (!has_next) break;
+    has_next = c.r <= w.end_req;
+    cursor_advance(c, p, w.end_req, w.end_block);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      cur[e] = nxt[e];
+      idx[e] = idx2[e];
+    }
+  }
+}
+
+// Bytes a pair producer writes into its peer per block: half the tile's rows and 4
+// valid-mask words.
+template <KVFormat F>
+constexpr uint32_t kPeerBytes = (kTokens / 2) * Fmt<F>::kDqk * 2 + 4 * 4;
+
 // Producer of one CTA of a cluster pair: thread t handles entry 32 * rank + slot of every
 // block and writes it into both CTAs' tiles; the peer's producer does the other half.
-// Block j+1's bytes are requested before block j is dequantized (registers for two
-// entries), block j+2's are prefetched into L2, and block j+3's indices loaded.
-template <KVFormat F>
+// Block n+1's bytes are requested into registers before block n is dequantized, block
+// n+2's are prefetched into L2, and block n+3's indices loaded.
+template <KVFormat F, bool kAligned>
 __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int s, uint32_t sb, uint32_t peer,
                                              uint8_t* smem) {
   using L = Smem<F>;
@@ -315,37 +294,35 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
   const int rank = cluster_ctarank();
   const int slot = 32 * rank + 8 * pw + (lane & 7);
   const int q4 = lane >> 3;
-  const bool skip_loads = p.debug & 1;
   const int valid_word = L::kValid + 4 * (4 * rank + pw);  // + 32 * buf; lanes 0..7 hold its bits
 
-  // One cursor, two blocks ahead of the block being stored at the top of an iteration
-  // (few registers: the producer runs at 152 and spills otherwise).
   Cursor c;
   cursor_enter(c, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
-  TokenRef tok = resolve_entry<F>(load_entry(c, p, s, w.end_req, slot), p);
+  TokenRef cur = resolve_entry<F>(load_entry(c, p, s, w.end_req, slot), p);  // block n
   RawToken<F> raw;
-  load_token<F>(tok, q4, skip_loads, raw);
+  load_token<F, kAligned>(cur, q4, raw);
   cursor_advance(c, p, w.end_req, w.end_block);
-  EntryIndex index1 = load_entry(c, p, s, w.end_req, slot);
-  bool more1 = c.r <= w.end_req;  // block n + 1 exists
+  bool has1 = c.r <= w.end_req;  // block n + 1 exists
+  TokenRef pf = resolve_entry<F>(load_entry(c, p, s, w.end_req, slot), p);  // block n + 1, in L2
+  prefetch_token_l2<F>(pf, q4);
   cursor_advance(c, p, w.end_req, w.end_block);
-  EntryIndex index2 = load_entry(c, p, s, w.end_req, slot);
+  bool has2 = c.r <= w.end_req;
+  EntryIndex idx = load_entry(c, p, s, w.end_req, slot);  // block n + 2
+  cursor_advance(c, p, w.end_req, w.end_block);           // c: block n + 3
+
   for (int n = 0;; ++n) {
-    const TokenRef next_tok = resolve_entry<F>(index1, p);  // past the end: invalid, nothing loaded
-    RawToken<F> next_raw;
-    load_token<F>(next_tok, q4, skip_loads, next_raw);
-    if (!skip_loads) prefetch_token_l2<F>(resolve_entry<F>(index2, p), q4);
-    const bool last = !more1;
-    more1 = c.r <= w.end_req;  // block n + 2 exists
-    cursor_advance(c, p, w.end_req, w.end_block);
-    const EntryIndex index3 = load_entry(c, p, s, w.end_req, slot);
+    RawToken<F> next;
+    load_token<F, kAligned>(pf, q4, next);  // absent past the end: nothing is loaded
+    const TokenRef pf2 = resolve_entry<F>(idx, p);
+    prefetch_token_l2<F>(pf2, q4);
+    const EntryIndex idx3 = load_entry(c, p, s, w.end_req, slot);
 
     const int buf = n & 1;
     const int tile = L::kK + buf * L::kTile;
     const uint32_t full = L::kFull + 8 * buf;
     mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);  // both CTAs' consumers are done with it
-    store_token<F, true>(raw, tok, smem + tile, peer + tile, peer + full, slot, q4);
-    const uint32_t v = __ballot_sync(0xffffffffu, tok.valid) & 0xffu;
+    store_token<F, true>(raw, smem + tile, peer + tile, peer + full, slot, q4);
+    const uint32_t v = __ballot_sync(0xffffffffu, cur.data != nullptr) & 0xffu;
     if (lane == 0) {
       *reinterpret_cast<uint32_t*>(smem + valid_word + 32 * buf) = v;
       st_async_u32(peer + valid_word + 32 * buf, v, peer + full);
@@ -357,11 +334,14 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
       mbar_arrive(sb + full);
     }
 
-    if (last) break;
-    index1 = index2;
-    index2 = index3;
-    tok = next_tok;
-    raw = next_raw;
+    if (!has1) break;
+    has1 = has2;
+    has2 = c.r <= w.end_req;
+    cursor_advance(c, p, w.end_req, w.end_block);
+    cur = pf;
+    raw = next;
+    pf = pf2;
+    idx = idx3;
   }
 }
 
@@ -383,6 +363,7 @@ __device__ __forceinline__ void release_tile(uint32_t bar, uint32_t peer_bar) {
     mbar_arrive_relaxed(bar);
     if (kCluster > 1) mbar_arrive_relaxed(peer_bar);
   }
+  __syncwarp();
 }
 
 // Q rows of heads 64 hg .. 64 hg + 63 for (request r, query row s); rows past h_q are
@@ -437,6 +418,24 @@ __device__ __forceinline__ void store_o(const Params& p, const float (&o)[128], 
   }
 }
 
+// O rows scaled by their alpha; skipped by a warp whose rows all keep their maximum
+// (alpha exactly 1: the product would change nothing).
+__device__ __forceinline__ void rescale_o(float (&o)[128], float a0, float a1) {
+  if (!__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) return;
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] *= ((i >> 1) & 1) ? a1 : a0;
+}
+
+// Validity bits of the block's 64 entries (bit e: entry e), from the 8 words the
+// producers wrote (word k: entries 8 k .. 8 k + 7 in its low byte).
+__device__ __forceinline__ uint64_t block_valid_mask(const uint8_t* words) {
+  const uint4 a = *reinterpret_cast<const uint4*>(words);
+  const uint4 b = *reinterpret_cast<const uint4*>(words + 16);
+  const uint32_t lo = a.x | (a.y << 8) | (a.z << 16) | (a.w << 24);
+  const uint32_t hi = b.x | (b.y << 8) | (b.z << 16) | (b.w << 24);
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
 template <KVFormat F, int kCluster>
 __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s, int hg, uint32_t sb, uint32_t peer,
                                            uint8_t* smem) {
@@ -447,9 +446,8 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
   const int r0 = 16 * (t >> 5) + (lane >> 2);  // this thread's rows: r0, r0 + 8
   float* alpha_s = reinterpret_cast<float*>(smem + L::kAlpha);
   float* final_s = reinterpret_cast<float*>(smem + L::kFinal);
-  const uint32_t* valid_s = reinterpret_cast<const uint32_t*>(smem + L::kValid);
   uint8_t* p_s = smem + L::kP;
-  const bool skip_mma = p.debug & 2;
+  const float scale = p.scale_log2;
 
   Cursor cur;
   cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
@@ -479,34 +477,36 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
 
     // S = Q K^T
     float sacc[32];
-    zero(sacc);
-    if (!skip_mma) {
-      pin(sacc);
+    if (!kSkipMma) {
       wgmma_fence();
       const uint64_t dq = desc_k_major(sb + L::kQ, kRows);
       const uint64_t dk = desc_k_major(k_s, kTokens);
+      wgmma_m64n64k16_ss_first(sacc, dq, dk);
 #pragma unroll
-      for (int ks = 0; ks < Fmt<F>::kDqk / 16; ++ks)
+      for (int ks = 1; ks < Fmt<F>::kDqk / 16; ++ks)
         wgmma_m64n64k16_ss(sacc, dq + static_cast<uint64_t>(ks * 2 * L::kGroupStride / 16),
-                           dk + static_cast<uint64_t>(ks * 2 * L::kGroupStride / 16), ks > 0);
+                           dk + static_cast<uint64_t>(ks * 2 * L::kGroupStride / 16));
       wgmma_commit();
       wgmma_wait<0>();
       pin(sacc);
+    } else {
+      zero(sacc);
     }
     if (last && nx.r <= w.end_req) {  // Q is free: fetch the next request's
       load_q<F>(p, nx.r, s, hg, sb + L::kQ, t);
       q_pending = true;
     }
 
-    // Online softmax (base 2) over this thread's 2 rows x 16 entries.
-    uint64_t vm = 0;
+    // Online softmax (base 2) over this thread's 2 rows x 16 entries. Invalid entries
+    // get -inf; the common all-valid block skips the selects (a uniform branch).
+    const uint64_t valid = block_valid_mask(smem + L::kValid + 32 * buf);
+    if (~valid != 0) {
+      const uint64_t vm = valid >> (2 * c);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) vm |= static_cast<uint64_t>(valid_s[8 * buf + k]) << (8 * k);
-    vm >>= 2 * c;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int col = 8 * (i >> 2) + (i & 1);
-      sacc[i] = ((vm >> col) & 1) ? sacc[i] * p.scale_log2 : -INFINITY;
+      for (int i = 0; i < 32; ++i) {
+        const int col = 8 * (i >> 2) + (i & 1);
+        if (!((vm >> col) & 1)) sacc[i] = -INFINITY;
+      }
     }
     float alpha[2];
 #pragma unroll
@@ -517,14 +517,15 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
         if (((i >> 1) & 1) == hf) mx = fmaxf(mx, sacc[i]);
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[hf], mx);
-      alpha[hf] = exp2f(m[hf] - m_new);
+      // scale > 0 (checked in Python), so the maximum of the scaled logits is the scaled maximum.
+      const float m_new = fmaxf(m[hf], mx * scale);
+      alpha[hf] = fast_exp2(m[hf] - m_new);
       m[hf] = m_new;
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < 32; ++i)
         if (((i >> 1) & 1) == hf) {
-          sacc[i] = exp2f(sacc[i] - m_new);
+          sacc[i] = fast_exp2(fmaf(sacc[i], scale, -m_new));
           sum += sacc[i];
         }
       l[hf] = l[hf] * alpha[hf] + sum;  // this thread's 16 entries; the quad is summed at the end
@@ -553,14 +554,13 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     named_bar_arrive(kBarPReady, kConsumers);
 
     // O[:, 0:256] = alpha O + P V
-#pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
-    if (!skip_mma) {
+    rescale_o(o, alpha[0], alpha[1]);
+    if (!kSkipMma) {
       pin(o);
       wgmma_fence();
       const uint64_t dv = desc_n_major(k_s, kTokens);
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wgmma_m64n256k16_rs_tb(o, pf + 4 * ks, dv + static_cast<uint64_t>(ks * 16), 1);
+      for (int ks = 0; ks < 4; ++ks) wgmma_m64n256k16_rs_tb(o, pf + 4 * ks, dv + static_cast<uint64_t>(ks * 16));
       wgmma_commit();
       wgmma_wait<0>();
       pin(o);
@@ -612,7 +612,6 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
   const int r0 = 16 * (t >> 5) + (lane >> 2);
   const float* alpha_s = reinterpret_cast<const float*>(smem + L::kAlpha);
   const float* final_s = reinterpret_cast<const float*>(smem + L::kFinal);
-  const bool skip_mma = p.debug & 2;
 
   Cursor cur;
   cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
@@ -629,11 +628,8 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
 
     named_bar_sync(kBarPReady, kConsumers);
     wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);  // (already complete: makes K visible here too)
-    const float a0 = alpha_s[r0];
-    const float a1 = alpha_s[r0 + 8];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] *= ((i >> 1) & 1) ? a1 : a0;
-    if (!skip_mma) {
+    rescale_o(o, alpha_s[r0], alpha_s[r0 + 8]);
+    if (!kSkipMma) {
       pin(o);
       wgmma_fence();
       const uint64_t dp_ = desc_k_major(sb + L::kP, kRows);
@@ -641,7 +637,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks)
         wgmma_m64n256k16_ss_tb(o, dp_ + static_cast<uint64_t>(ks * 2 * L::kGroupStride / 16),
-                               dv + static_cast<uint64_t>(ks * 16), 1);
+                               dv + static_cast<uint64_t>(ks * 16));
       wgmma_commit();
       wgmma_wait<0>();
       pin(o);
@@ -664,7 +660,8 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
 }
 
 // kCluster = 2: launched in clusters of two CTAs along the head-group axis (grid z even).
-template <KVFormat F, int kCluster>
+// kAligned: every token row of the caches is 16-byte aligned (caches_aligned16).
+template <KVFormat F, int kCluster, bool kAligned>
 __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   using L = Smem<F>;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -697,9 +694,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   if (wg >= 2) {
     setmaxnreg_dec<kRegsProducer>();
     if (kCluster > 1) {
-      produce_pair<F>(p, w, s, sb, peer, smem);
+      produce_pair<F, kAligned>(p, w, s, sb, peer, smem);
     } else {
-      produce_solo<F>(p, w, s, sb, smem);
+      produce_solo<F, kAligned>(p, w, s, sb, smem);
     }
   } else if (wg == 0) {
     setmaxnreg_inc<kRegsQK>();
@@ -710,85 +707,6 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   }
   // The peer still writes into this CTA's tiles and arrives on its barriers until it is done.
   if (kCluster > 1) cluster_sync();
-}
-
-// Per device, set up once: the shared memory opt-in of both variants and how many CTAs
-// of the pair variant can be resident at once (clusters must sit on SM pairs).
-struct DeviceSetup {
-  bool done = false;
-  int64_t pair_ctas = 0;  // 0: never use clusters on this device
-};
-
-// Launch configuration of the pair variant: clusters of two CTAs along grid z. `attr`
-// must outlive the configuration (it points at it).
-cudaLaunchConfig_t pair_config(dim3 grid, size_t smem, cudaStream_t stream, cudaLaunchAttribute* attr) {
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = 1;
-  attr->val.clusterDim.y = 1;
-  attr->val.clusterDim.z = 2;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
-}
-
-template <KVFormat F>
-ffi::Error set_up_device(DeviceSetup& d) {
-  constexpr int kSmem = Smem<F>::kBytes;
-  cudaError_t e = cudaFuncSetAttribute(decode_kernel<F, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (e != cudaSuccess) return cuda_failure("cudaFuncSetAttribute(decode_kernel)", e);
-  e = cudaFuncSetAttribute(decode_kernel<F, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (e != cudaSuccess) return cuda_failure("cudaFuncSetAttribute(decode_kernel, cluster)", e);
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = pair_config(dim3(1, 1, 2), kSmem, nullptr, &attr);
-  int clusters = 0;
-  e = cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<F, 2>, &cfg);
-  // A device that cannot tell (or a measurement switch) runs the CTAs on their own.
-  const char* off = std::getenv("JSM_DECODE_NO_CLUSTER");
-  d.pair_ctas = (e == cudaSuccess && !(off && off[0] == '1')) ? 2 * static_cast<int64_t>(clusters) : 0;
-  if (e != cudaSuccess) cudaGetLastError();  // not sticky: clear it
-  d.done = true;
-  return ffi::Error::Success();
-}
-
-template <KVFormat F>
-ffi::Error launch_kernel(const DecodeProblem& dp, cudaStream_t stream) {
-  constexpr int kMaxDevices = 64;
-  static DeviceSetup setups[kMaxDevices];
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return cuda_failure("cudaGetDevice", e);
-  DeviceSetup local;
-  DeviceSetup& d = dev >= 0 && dev < kMaxDevices ? setups[dev] : local;
-  if (!d.done) JSM_RETURN_IF_ERROR(set_up_device<F>(d));
-
-  const Params p = make_params(dp);
-  const int groups = (dp.h_q + kRows - 1) / kRows;
-  const int pair_groups = (groups + 1) / 2 * 2;
-  // Pairs only when every cluster is resident at once: a second wave would cost a whole
-  // kernel's time (the plan sizes workers for one CTA per SM).
-  const bool pairs = groups >= 2 && static_cast<int64_t>(dp.num_parts) * dp.s_q * pair_groups <= d.pair_ctas;
-  if (!pairs) {
-    const dim3 grid(dp.num_parts, dp.s_q, groups);
-    decode_kernel<F, 1><<<grid, kThreads, Smem<F>::kBytes, stream>>>(p);
-    return check_launch("decode_kernel (wgmma)");
-  }
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = pair_config(dim3(dp.num_parts, dp.s_q, pair_groups), Smem<F>::kBytes, stream, &attr);
-  e = cudaLaunchKernelEx(&cfg, decode_kernel<F, 2>, p);
-  if (e != cudaSuccess) return cuda_failure("cudaLaunchKernelEx(decode_kernel, cluster of 2)", e);
-  return check_launch("decode_kernel (wgmma, cluster of 2)");
-}
-
-}  // namespace
-
-ffi::Error launch_wgmma(const DecodeProblem& dp, cudaStream_t stream) {
-  if (dp.format == KVFormat::kV32) return launch_kernel<KVFormat::kV32>(dp, stream);
-  return launch_kernel<KVFormat::kModel1>(dp, stream);
 }
 
 }  // namespace cuda

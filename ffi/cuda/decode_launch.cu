@@ -1,0 +1,103 @@
+// Launch configuration of the decode kernel (decode_kernel.cuh): which variant, the grid,
+// clusters of two CTAs when every cluster is resident at once.
+#include <cuda_runtime.h>
+
+#include "cuda/decode_kernel.cuh"
+
+namespace jsm {
+namespace cuda {
+namespace {
+
+// Per device, set up once: the shared memory opt-in of every variant and how many CTAs
+// of the pair variant can be resident at once (clusters must sit on SM pairs).
+struct DeviceSetup {
+  bool done = false;
+  int64_t pair_ctas = 0;  // 0: never use clusters on this device
+};
+
+// Launch configuration of the pair variant: clusters of two CTAs along grid z. `attr`
+// must outlive the configuration (it points at it).
+cudaLaunchConfig_t pair_config(dim3 grid, size_t smem, cudaStream_t stream, cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = 1;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 2;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+template <KVFormat F, int kCluster, bool kAligned>
+ffi::Error allow_smem() {
+  const cudaError_t e = cudaFuncSetAttribute(decode_kernel<F, kCluster, kAligned>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<F>::kBytes);
+  return e == cudaSuccess ? ffi::Error::Success() : cuda_failure("cudaFuncSetAttribute(decode_kernel)", e);
+}
+
+template <KVFormat F>
+ffi::Error set_up_device(DeviceSetup& d) {
+  JSM_RETURN_IF_ERROR((allow_smem<F, 1, false>()));
+  JSM_RETURN_IF_ERROR((allow_smem<F, 1, true>()));
+  JSM_RETURN_IF_ERROR((allow_smem<F, 2, false>()));
+  JSM_RETURN_IF_ERROR((allow_smem<F, 2, true>()));
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = pair_config(dim3(1, 1, 2), Smem<F>::kBytes, nullptr, &attr);
+  int clusters = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<F, 2, true>, &cfg);
+  // A device that cannot tell runs the CTAs on their own.
+  d.pair_ctas = e == cudaSuccess ? 2 * static_cast<int64_t>(clusters) : 0;
+  if (e != cudaSuccess) cudaGetLastError();  // not sticky: clear it
+  d.done = true;
+  return ffi::Error::Success();
+}
+
+template <KVFormat F, bool kAligned>
+ffi::Error launch_variant(const DecodeProblem& dp, const Params& p, bool pairs, cudaStream_t stream) {
+  const int groups = (dp.h_q + kRows - 1) / kRows;
+  if (!pairs) {
+    const dim3 grid(dp.num_parts, dp.s_q, groups);
+    decode_kernel<F, 1, kAligned><<<grid, kThreads, Smem<F>::kBytes, stream>>>(p);
+    return check_launch("decode_kernel");
+  }
+  cudaLaunchAttribute attr;
+  const dim3 grid(dp.num_parts, dp.s_q, (groups + 1) / 2 * 2);
+  const cudaLaunchConfig_t cfg = pair_config(grid, Smem<F>::kBytes, stream, &attr);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, decode_kernel<F, 2, kAligned>, p);
+  if (e != cudaSuccess) return cuda_failure("cudaLaunchKernelEx(decode_kernel, cluster of 2)", e);
+  return check_launch("decode_kernel (cluster of 2)");
+}
+
+template <KVFormat F>
+ffi::Error launch_format(const DecodeProblem& dp, cudaStream_t stream) {
+  constexpr int kMaxDevices = 64;
+  static DeviceSetup setups[kMaxDevices];
+  int dev = 0;
+  const cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return cuda_failure("cudaGetDevice", e);
+  DeviceSetup local;
+  DeviceSetup& d = dev >= 0 && dev < kMaxDevices ? setups[dev] : local;
+  if (!d.done) JSM_RETURN_IF_ERROR(set_up_device<F>(d));
+
+  const Params p = make_params(dp);
+  const int groups = (dp.h_q + kRows - 1) / kRows;
+  // Pairs only when every cluster is resident at once: a second wave would cost a whole
+  // kernel's time (the plan sizes workers for one CTA per SM).
+  const bool pairs = groups >= 2 && static_cast<int64_t>(dp.num_parts) * dp.s_q * ((groups + 1) / 2 * 2) <= d.pair_ctas;
+  return caches_aligned16(dp) ? launch_variant<F, true>(dp, p, pairs, stream)
+                              : launch_variant<F, false>(dp, p, pairs, stream);
+}
+
+}  // namespace
+
+ffi::Error launch_decode(const DecodeProblem& dp, cudaStream_t stream) {
+  if (dp.format == KVFormat::kV32) return launch_format<KVFormat::kV32>(dp, stream);
+  return launch_format<KVFormat::kModel1>(dp, stream);
+}
+
+}  // namespace cuda
+}  // namespace jsm
