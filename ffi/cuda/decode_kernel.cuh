@@ -436,6 +436,35 @@ __device__ __forceinline__ uint64_t block_valid_mask(const uint8_t* words) {
   return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
+// The running maximum of a row moves only when a block's maximum exceeds it by more than
+// this (base 2): probabilities then stay under 2^8, harmless in fp32 and bf16 (rounding is
+// relative), and most blocks leave alpha = 1, so both consumers skip rescaling O.
+constexpr float kLazyRescale = 8.f;
+
+// Reductions over the 16 accumulators of a thread's row half hf (i with (i / 2) % 2 == hf),
+// as trees: short dependency chains.
+__device__ __forceinline__ float row_max(const float (&x)[32], int hf) {
+  float a[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) a[k] = fmaxf(x[4 * k + 2 * hf], x[4 * k + 2 * hf + 1]);
+#pragma unroll
+  for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+    for (int k = 0; k < w; ++k) a[k] = fmaxf(a[k], a[k + w]);
+  return a[0];
+}
+
+__device__ __forceinline__ float row_sum(const float (&x)[32], int hf) {
+  float a[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) a[k] = x[4 * k + 2 * hf] + x[4 * k + 2 * hf + 1];
+#pragma unroll
+  for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+    for (int k = 0; k < w; ++k) a[k] += a[k + w];
+  return a[0];
+}
+
 template <KVFormat F, int kCluster>
 __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s, int hg, uint32_t sb, uint32_t peer,
                                            uint8_t* smem) {
@@ -511,24 +540,19 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     float alpha[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < 32; ++i)
-        if (((i >> 1) & 1) == hf) mx = fmaxf(mx, sacc[i]);
+      float mx = row_max(sacc, hf);
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // scale > 0 (checked in Python), so the maximum of the scaled logits is the scaled maximum.
-      const float m_new = fmaxf(m[hf], mx * scale);
-      alpha[hf] = fast_exp2(m[hf] - m_new);
+      // scale > 0 (checked in Python): the maximum of the scaled logits is the scaled maximum.
+      const float mx_scaled = mx * scale;
+      const bool grow = mx_scaled > m[hf] + kLazyRescale;  // false for NaN and for -inf (all masked)
+      const float m_new = grow ? mx_scaled : m[hf];
+      alpha[hf] = grow ? fast_exp2(m[hf] - m_new) : 1.f;
       m[hf] = m_new;
-      float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < 32; ++i)
-        if (((i >> 1) & 1) == hf) {
-          sacc[i] = fast_exp2(fmaf(sacc[i], scale, -m_new));
-          sum += sacc[i];
-        }
-      l[hf] = l[hf] * alpha[hf] + sum;  // this thread's 16 entries; the quad is summed at the end
+        if (((i >> 1) & 1) == hf) sacc[i] = fast_exp2(fmaf(sacc[i], scale, -m_new));
+      l[hf] = l[hf] * alpha[hf] + row_sum(sacc, hf);  // this thread's 16 entries; the quad is summed at the end
     }
 
     // P in bf16: A fragments of the 4 k-steps (16 entries each) and the smem copy for WG1.
@@ -553,8 +577,8 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     fence_proxy_async();
     named_bar_arrive(kBarPReady, kConsumers);
 
-    // O[:, 0:256] = alpha O + P V
-    rescale_o(o, alpha[0], alpha[1]);
+    // O[:, 0:256] = alpha O + P V (at a piece's first block O is zero: nothing to scale)
+    if (!first) rescale_o(o, alpha[0], alpha[1]);
     if (!kSkipMma) {
       pin(o);
       wgmma_fence();
