@@ -49,11 +49,13 @@ if has smoke; then
   [[ "$line" =~ SMOKE\ ([0-9]+)/([0-9]+) ]] && [[ ${BASH_REMATCH[1]} == ${BASH_REMATCH[2]} ]] || smoke_ok=0
 fi
 
-if has pytest; then
-  stamp pytest
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PYTEST_T:-270} python3 -m pytest $PYTEST_ARGS -q -n ${PYTEST_N:-6} --timeout 240 \
-    -p no:cacheprovider -rfE 2>&1 | tee "$OUT/pytest.log" | tail -25
-  summary+=("pytest: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -1)")
+if has pytest; then  # PYTEST_RUNS times in a row, each with fresh random seeds
+  for run in $(seq 1 ${PYTEST_RUNS:-1}); do
+    stamp "pytest run $run"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PYTEST_T:-270} python3 -m pytest $PYTEST_ARGS -q -n ${PYTEST_N:-6} \
+      --timeout 240 -p no:cacheprovider -rfE 2>&1 | tee "$OUT/pytest_$run.log" | tail -8
+    summary+=("pytest run $run: $(grep -E '(passed|failed|error)' "$OUT/pytest_$run.log" | tail -1)")
+  done
 fi
 
 if has bench; then

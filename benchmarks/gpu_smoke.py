@@ -73,6 +73,24 @@ def report(name, case, plan=None):
         return False
 
 
+def garbage_plan_runs(name, case, rng):
+    """A hand-made plan with random values must not read or write out of bounds (memcheck)."""
+    try:
+        case = soften(case)
+        plan = _plan(case, 7)
+        junk = lambda a: jnp.asarray(rng.integers(-(2**31), 2**31 - 1, size=a.shape, dtype=np.int64).astype(np.int32))
+        small = lambda a: jnp.asarray(rng.integers(-2, 9, size=a.shape).astype(np.int32))
+        for make in (junk, small):
+            bad = jsm.DecodePlan(sched=make(plan.sched), num_splits=make(plan.num_splits), batch=plan.batch,
+                                 topk=plan.topk, extra_topk=plan.extra_topk)
+            jax.block_until_ready(_decode(**case, plan=bad))
+        print(f"ok   {name}", flush=True)
+        return True
+    except Exception:
+        print(f"EXC  {name}\n{traceback.format_exc()[-3000:]}", flush=True)
+        return False
+
+
 def _plan(case, parts):
     return jsm.plan_decode(case["q"], case["indices"], topk_length=case.get("topk_length"),
                            extra_indices=case.get("extra_indices"),
@@ -116,6 +134,12 @@ def main():
     ok = 0
     for name, c, parts in cases:
         ok += report(name, c, None if parts is None else _plan(c, parts))
+    if sanitize:
+        for fmt in (V32, MODEL1):
+            c = make_case(rng, fmt, b=3, s_q=2, h_q=128, topk=70, page_size=61, num_blocks=3, extra_topk=40,
+                          extra_page_size=5, extra_num_blocks=9, with_lengths=True)
+            ok += garbage_plan_runs(f"sanitize {fmt.name} garbage plans", c, rng)
+            cases.append(None)
     if not sanitize:
         for path in conformance_files():
             v = load_conformance(path)

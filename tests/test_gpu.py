@@ -202,6 +202,78 @@ def test_default_plan_fits_device():
     _check(case, plan=plan)
 
 
+def _with_lengths(case, lengths, extra_lengths=None):
+    case = dict(case, topk_length=jnp.asarray(lengths, jnp.int32))
+    if extra_lengths is not None:
+        case["extra_topk_length"] = jnp.asarray(extra_lengths, jnp.int32)
+    return case
+
+
+@pytest.mark.parametrize("fmt", [V32, MODEL1])
+@pytest.mark.parametrize("num_parts", [3, 11, 40])
+def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts):
+    """A plan made for other lengths than the call's: the CUDA handler cannot refuse it
+    without a host sync, so every request comes out either right (the plan still covers
+    its blocks) or NaN in out and lse, never finite and wrong; where the block counts of
+    a worker's boundary moved, NaN is certain."""
+    rng = fresh_rng()
+    b, topk = 5, 320
+    case = soften(make_case(rng, fmt, b=b, s_q=2, h_q=64, topk=topk, page_size=64, num_blocks=40,
+                            extra_topk=100 if fmt == MODEL1 else 0, extra_page_size=64, extra_num_blocks=8,
+                            with_lengths=True, with_sink=True))
+    old = rng.integers(0, topk + 1, size=b)
+    new = old.copy()
+    moved = rng.choice(b, size=3, replace=False)
+    new[moved] = (old[moved] + 64 * rng.integers(1, 4, size=3)) % (topk + 1)  # mostly other block counts
+    old[-1], new[-1] = 10, topk  # the last worker always ends the last request: certainly caught
+    extra = np.asarray(case["extra_topk_length"]) if fmt == MODEL1 else None
+    stale_case = _on(_with_lengths(case, old, extra), GPU)
+    call_case = _on(_with_lengths(case, new, extra), GPU)
+    plan = _plan(stale_case, num_parts=num_parts)
+    out, lse = _decode(**call_case, plan=plan)
+    ref_out, ref_lse = _reference(**call_case)
+    out, lse, ref_out, ref_lse = _np(out), np.asarray(lse), _np(ref_out), np.asarray(ref_lse)
+    extra_blocks = (-(-np.asarray(extra) // 64)) if extra is not None else np.zeros(b, int)
+    blocks_old = np.maximum(-(-old // 64), 1) + extra_blocks
+    blocks_new = np.maximum(-(-new // 64), 1) + extra_blocks
+    for r in range(b):
+        if np.isnan(out[r]).any() or np.isnan(lse[r]).any():
+            assert np.isnan(out[r]).all() and np.isnan(lse[r]).all(), f"request {r}: partly NaN"
+            assert blocks_old[r] != blocks_new[r], f"request {r}: NaN although its block count did not move"
+        else:
+            assert_out_close(out[r], ref_out[r])
+            assert_lse_close(lse[r], ref_lse[r])
+    # Where a worker's boundary no longer matches its request's block count, NaN is certain.
+    for row in np.asarray(plan.sched):
+        begin_req, end_req, begin_block, end_block, is_last = (int(row[k]) for k in (0, 1, 2, 3, 6))
+        if begin_req > end_req:
+            continue
+        if (is_last and end_block != blocks_new[end_req]) or (not is_last and end_block >= blocks_new[end_req]):
+            assert np.isnan(out[end_req]).all(), f"request {end_req}: stale end of a worker not caught"
+        if 0 < begin_block and begin_block >= blocks_new[begin_req]:
+            assert np.isnan(out[begin_req]).all(), f"request {begin_req}: stale start of a worker not caught"
+    assert np.isnan(out[b - 1]).all() and np.isnan(lse[b - 1]).all()
+
+
+@pytest.mark.parametrize("seed_offset", range(4))
+def test_garbage_plan_arrays_stay_in_bounds(seed_offset):
+    """Hand-made plan arrays with any values: the call completes (compute-sanitizer's
+    memcheck run in benchmarks/gpu_smoke.py --sanitize checks that nothing is read or
+    written out of bounds), and the result is finite-or-NaN garbage, not a crash."""
+    rng = fresh_rng()
+    case = _on(soften(make_case(rng, MODEL1, b=3, s_q=2, h_q=64, topk=100, page_size=61, num_blocks=6,
+                                extra_topk=40, extra_page_size=17, extra_num_blocks=5, with_lengths=True)), GPU)
+    plan = _plan(case, num_parts=7)
+    lo, hi = [(-3, 4), (-2**31, 2**31 - 1), (0, 200), (-1, 1)][seed_offset]
+    garbage = jsm.DecodePlan(
+        sched=jnp.asarray(rng.integers(lo, hi, size=plan.sched.shape, dtype=np.int64).astype(np.int32)),
+        num_splits=jnp.asarray(rng.integers(lo, hi, size=plan.num_splits.shape, dtype=np.int64).astype(np.int32)),
+        batch=plan.batch, topk=plan.topk, extra_topk=plan.extra_topk)
+    out, lse = _decode(**case, plan=garbage)
+    jax.block_until_ready((out, lse))
+    assert out.shape == (3, 2, 64, 512) and lse.shape == (3, 64, 2)
+
+
 def test_nan_in_unused_slots_never_leaks():
     case = make_case(fresh_rng(), MODEL1, b=2, s_q=2, h_q=16, topk=64, page_size=64, num_blocks=4, invalid_fraction=0.5)
     out, lse = _decode(**_on(case, GPU))

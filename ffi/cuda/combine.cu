@@ -22,7 +22,8 @@ __device__ __forceinline__ float max_keep_nan(float a, float b) { return (b > a 
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float* __restrict__ out_accum, const float* __restrict__ lse_accum,
                    const int32_t* __restrict__ num_splits, const float* __restrict__ attn_sink,
-                   int64_t sink_stride, int batch, int s_q, int h_q, bool has_sink, uint16_t* __restrict__ out,
+                   int64_t sink_stride, int batch, int s_q, int h_q, int64_t num_slots, bool has_sink,
+                   uint16_t* __restrict__ out,
                    float* __restrict__ lse) {
   const int lane = threadIdx.x & 31;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (kCombineThreads / 32) + (threadIdx.x >> 5);
@@ -34,7 +35,16 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int h = rem - s * h_q;
   const int first = num_splits[r];
   const int pieces = num_splits[r + 1] - first;
-  if (pieces <= 1) return;  // written directly by the decode kernel
+  if (pieces == 1) return;  // written directly by the decode kernel
+  const int64_t out_off = ((static_cast<int64_t>(r) * s_q + s) * h_q + h) * kDimV;
+  const int64_t lse_off = (static_cast<int64_t>(r) * h_q + h) * s_q + s;
+  // A plan whose pieces fall outside the partial buffers (a hand-made one): NaN, and
+  // nothing read out of bounds.
+  if (pieces < 1 || first < 0 || static_cast<int64_t>(first) + pieces > num_slots) {
+    for (int c = lane; c < kDimV / 2; c += 32) reinterpret_cast<uint32_t*>(out + out_off)[c] = 0x7fc07fc0u;
+    if (lane == 0) lse[lse_off] = NAN;
+    return;
+  }
 
   auto lse_of = [&](int k) { return lse_accum[(static_cast<int64_t>(first + k) * s_q + s) * h_q + h]; };
 
@@ -43,8 +53,6 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = max_keep_nan(mx, __shfl_xor_sync(0xffffffffu, mx, o));
 
-  const int64_t out_off = ((static_cast<int64_t>(r) * s_q + s) * h_q + h) * kDimV;
-  const int64_t lse_off = (static_cast<int64_t>(r) * h_q + h) * s_q + s;
   if (mx == -INFINITY) {  // every piece empty
     for (int c = lane; c < kDimV / 2; c += 32) reinterpret_cast<uint32_t*>(out + out_off)[c] = 0u;
     if (lane == 0) lse[lse_off] = INFINITY;
@@ -109,7 +117,8 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer out_in, ffi::Buffer<
   const int64_t blocks = (rows + warps_per_block - 1) / warps_per_block;
   if (blocks > 0x7fffffffLL) return invalid("combine: problem too large");
   combine_kernel<<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(
-      p.out_accum, p.lse_accum, p.num_splits, p.attn_sink, p.sink_stride, p.batch, p.s_q, p.h_q, p.has_sink, p.out,
+      p.out_accum, p.lse_accum, p.num_splits, p.attn_sink, p.sink_stride, p.batch, p.s_q, p.h_q,
+      static_cast<int64_t>(p.batch) + p.num_parts, p.has_sink, p.out,
       p.lse);
   return check_launch("combine_kernel");
 }

@@ -51,6 +51,7 @@ struct Params {
   int64_t num_tokens, extra_num_tokens;
   int64_t page_size, extra_page_size;
   int batch, s_q, h_q, topk, extra_topk;
+  int num_slots;  // partial slots: batch + num_parts
   float scale_log2;
   int has_sink;
 };
@@ -81,6 +82,7 @@ inline Params make_params(const DecodeProblem& dp) {
   p.h_q = dp.h_q;
   p.topk = dp.topk;
   p.extra_topk = dp.extra_topk;
+  p.num_slots = dp.batch + dp.num_parts;
   p.scale_log2 = dp.sm_scale * kLog2e;
   p.has_sink = dp.has_sink ? 1 : 0;
   return p;
@@ -98,6 +100,12 @@ inline bool caches_aligned16(const DecodeProblem& dp) {
 
 // Launches the kernel (decode_launch.cu) on the checked problem.
 ffi::Error launch_decode(const DecodeProblem& dp, cudaStream_t stream);
+
+// Blocks of request r for the lengths of this call (split_plan.h).
+__device__ __forceinline__ int request_blocks(const Params& p, int r) {
+  return main_blocks(clamp_length(p.topk_length[r], p.topk)) +
+         extra_blocks(clamp_length(p.extra_topk_length[r], p.extra_topk));
+}
 
 // Position in a worker's sequence of blocks.
 struct Cursor {

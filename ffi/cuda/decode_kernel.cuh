@@ -86,7 +86,39 @@ struct Smem {
 
 struct Work {
   int begin_req, end_req, begin_block, end_block, begin_split;
+  // The plan was made for other lengths than this call's: the worker's boundary at its
+  // first / last request does not match that request's block count.
+  bool stale_begin, stale_end;
 };
+
+// A worker's row of the plan, made safe to walk whatever it holds. The handler cannot
+// check a plan without a host sync, so the kernel does: requests outside the batch make
+// the worker idle, block ranges are clamped to what a request can hold (the walk ends,
+// and entries past a request's length are never read), and output slots are checked
+// where they are written (piece_out). A plan made from other lengths (a stale plan)
+// could leave a request's last blocks unread where a worker's boundary no longer matches
+// the request's block count: the pieces of such a request that the worker writes are
+// NaN, so a stale plan never gives a finite wrong answer. (A request inside a worker's
+// range is walked by this call's lengths and needs no check.)
+__device__ __forceinline__ Work read_work(const Params& p, int worker) {
+  const int32_t* row = p.sched + static_cast<int64_t>(worker) * kSchedFields;
+  Work w;
+  w.begin_req = row[kBeginReq];
+  w.end_req = row[kEndReq];
+  if (w.begin_req > w.end_req || w.begin_req < 0 || w.end_req >= p.batch) {
+    w.begin_req = 1;
+    w.end_req = 0;  // idle
+    return w;
+  }
+  const int max_blocks = main_blocks(p.topk) + extra_blocks(p.extra_topk);
+  w.begin_block = min(max(row[kBeginBlock], 0), max_blocks - 1);
+  w.end_block = min(max(row[kEndBlock], 1), max_blocks);
+  w.begin_split = row[kBeginSplit];
+  const int end_blocks = request_blocks(p, w.end_req);
+  w.stale_end = row[kIsLastSplit] ? w.end_block != end_blocks : w.end_block >= end_blocks;
+  w.stale_begin = w.begin_block > 0 && w.begin_block >= request_blocks(p, w.begin_req);
+  return w;
+}
 
 // Keeps the compiler from reading, moving or reusing registers a wgmma in flight owns
 // (accumulators, register A fragments) between its issue and its wait.
@@ -386,6 +418,7 @@ __device__ __forceinline__ void load_q(const Params& p, int r, int s, int hg, ui
 struct PieceOut {
   int r, pieces;
   int64_t slot;  // partial slot (pieces > 1)
+  bool write;    // false: the plan names a slot outside the partial buffers (nothing is written)
 };
 
 __device__ __forceinline__ PieceOut piece_out(const Params& p, const Work& w, int r) {
@@ -393,13 +426,15 @@ __device__ __forceinline__ PieceOut piece_out(const Params& p, const Work& w, in
   PieceOut po;
   po.r = r;
   po.pieces = p.num_splits[r + 1] - first_slot;
-  po.slot = first_slot + (r == w.begin_req ? w.begin_split : 0);
+  po.slot = static_cast<int64_t>(first_slot) + (r == w.begin_req ? w.begin_split : 0);
+  po.write = po.pieces == 1 || (po.slot >= 0 && po.slot < p.num_slots);
   return po;
 }
 
 // Writes a consumer's 64 x 256 half of O (columns col0 ..), rows scaled by f.
 __device__ __forceinline__ void store_o(const Params& p, const float (&o)[128], const float (&f)[2],
                                         const PieceOut& po, int s, int hg, int r0, int c, int col0) {
+  if (!po.write) return;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int h = hg * kRows + r0 + 8 * hf;
@@ -603,14 +638,15 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
         const int row = r0 + 8 * hf;
         const int h = hg * kRows + row;
         const bool empty = sum == 0.f;
-        f[hf] = empty ? 0.f : 1.f / sum;
+        const bool stale = (po.r == w.end_req && w.stale_end) || (po.r == w.begin_req && w.stale_begin);
+        f[hf] = stale ? NAN : (empty ? 0.f : 1.f / sum);
         if (po.pieces == 1) {
-          const float lse_nat = empty ? INFINITY : (log2f(sum) + m[hf]) * kLn2;
+          const float lse_nat = stale ? NAN : (empty ? INFINITY : (log2f(sum) + m[hf]) * kLn2);
           if (p.has_sink && !empty && h < p.h_q)
             f[hf] *= 1.f / (1.f + expf(p.attn_sink[po.r * p.sink_stride + h] - lse_nat));
           if (c == 0 && h < p.h_q) p.lse[(static_cast<int64_t>(po.r) * p.h_q + h) * p.s_q + s] = lse_nat;
-        } else if (c == 0 && h < p.h_q) {
-          p.lse_accum[(po.slot * p.s_q + s) * p.h_q + h] = empty ? -INFINITY : log2f(sum) + m[hf];
+        } else if (c == 0 && h < p.h_q && po.write) {
+          p.lse_accum[(po.slot * p.s_q + s) * p.h_q + h] = stale ? NAN : (empty ? -INFINITY : log2f(sum) + m[hf]);
         }
         if (c == 0) final_s[parity * kRows + row] = f[hf];
         m[hf] = kInitMax;
@@ -692,8 +728,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   const int worker = blockIdx.x;
   const int s = blockIdx.y;
   const int hg = blockIdx.z;
-  const int32_t* row = p.sched + static_cast<int64_t>(worker) * kSchedFields;
-  const Work w{row[kBeginReq], row[kEndReq], row[kBeginBlock], row[kEndBlock], row[kBeginSplit]};
+  const Work w = read_work(p, worker);
   // An idle worker: the whole CTA (and its cluster peer, same worker) leaves before any barrier.
   if (w.begin_req > w.end_req) return;
 
