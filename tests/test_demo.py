@@ -46,10 +46,11 @@ def test_demo_v32():
     _check(_run(), 8)
 
 
-def test_demo_model1_sink_window_tp2():
-    if len(_devices()) < 2:
-        pytest.skip("needs 2 devices of the demo's platform")
-    _check(_run("--format", "MODEL1", "--sink", "--window", "4", "--tp", "2"), 4)
+def test_demo_model1_sink_window_tp3():
+    """TP 3 over 6 heads: 3 does not divide the MLP size (512), which stays replicated."""
+    if len(_devices()) < 3:
+        pytest.skip("needs 3 devices of the demo's platform")
+    _check(_run("--format", "MODEL1", "--sink", "--window", "4", "--heads", "6", "--tp", "3"), 2)
 
 
 def _check_layout(layout, *extra):
