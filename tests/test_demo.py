@@ -19,6 +19,9 @@ from tests.utils import collectives, mesh_layouts  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "2", "--heads", "8", "--batch", "2", "--steps", "6", "--context", "4", "--topk", "16",
         "--dim", "64", "--vocab", "128", "--page-size", "8", "--check-steps", "3", "--no-progress"]
+# Largest relative logit difference allowed against dense attention and against one device (bf16
+# queries, FP8 cache entries that a last-bit change upstream can round the other way).
+LOGIT_RTOL = 3e-2
 
 
 def _run(*extra):
@@ -32,7 +35,7 @@ def _devices():
 
 def _check(stats, heads_per_device, requests_per_device=2):
     assert stats["checked_steps"] == 3
-    assert stats["max_rel_logit_error"] < 3e-2, stats
+    assert stats["max_rel_logit_error"] < LOGIT_RTOL, stats
     assert stats["argmax_agreement"] >= 0.5, stats
     assert stats["generated"].shape == (2, 6)
     assert np.isfinite(stats["tokens_per_s"]) and stats["tokens_per_s"] > 0
@@ -67,14 +70,15 @@ def _check_layout(layout, *extra):
     _check(stats, 16 // tp, 2 // dp)
     _check(one, 16, 2)
     assert (stats["devices"], one["devices"]) == (dp * tp, 1)
-    assert stats["max_rel_logit_diff_vs_one_device"] < 3e-2, stats["max_rel_logit_diff_vs_one_device"]
+    assert stats["max_rel_logit_diff_vs_one_device"] < LOGIT_RTOL, stats["max_rel_logit_diff_vs_one_device"]
     smallest_cache = min(math.prod(shape) for shape in stats["cache_shapes"])
     moved = collectives(stats["step_hlo"], smallest_cache)
     assert not moved, f"cache-sized collectives in the decode step: {moved}"
 
 
-def test_demo_dp2_tp4_on_8_devices():
-    """DP 2 x TP 4 on the 8 CPU devices (or GPUs), with the window cache and a sink."""
+def test_demo_dp2_times_tp():
+    """DP 2 x TP n/2 on the demo's n devices (DP 2 x TP 4 on the 8 CPU devices), with the
+    window cache and a sink."""
     _check_layout("dp2_tp", "--format", "MODEL1", "--sink", "--window", "4")
 
 
