@@ -2,7 +2,8 @@
 where the errors are when a case fails. Used at the start of a device run (before pytest)
 so that a broken kernel is diagnosed from one run's output.
 
-    python benchmarks/gpu_smoke.py [--sanitize]   (--sanitize: tiny garbage-index cases only)
+    python benchmarks/gpu_smoke.py [--sanitize] [--only V32|MODEL1]
+      (--sanitize: tiny garbage-index and garbage-plan cases only; --only: one cache format)
 """
 
 import sys
@@ -99,11 +100,13 @@ def _plan(case, parts):
 
 def main():
     sanitize = "--sanitize" in sys.argv
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    formats = [f for f in (V32, MODEL1) if only in (None, f.name)]
     rng = np.random.default_rng(1234)
     print("devices:", jax.devices(), "build:", jsm.build_info(), flush=True)
     cases = []
     if sanitize:
-        for fmt in (V32, MODEL1):
+        for fmt in formats:
             c = make_case(rng, fmt, b=3, s_q=2, h_q=16, topk=70, page_size=61, num_blocks=3, extra_topk=40,
                           extra_page_size=5, extra_num_blocks=9, with_lengths=True, with_sink=True,
                           invalid_fraction=0.4, empty_row=True)
@@ -135,7 +138,7 @@ def main():
     for name, c, parts in cases:
         ok += report(name, c, None if parts is None else _plan(c, parts))
     if sanitize:
-        for fmt in (V32, MODEL1):
+        for fmt in formats:
             c = make_case(rng, fmt, b=3, s_q=2, h_q=128, topk=70, page_size=61, num_blocks=3, extra_topk=40,
                           extra_page_size=5, extra_num_blocks=9, with_lengths=True)
             ok += garbage_plan_runs(f"sanitize {fmt.name} garbage plans", c, rng)
