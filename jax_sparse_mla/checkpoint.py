@@ -52,7 +52,7 @@ from jax_sparse_mla.nnx import MLAAttention, MLAConfig
 from jax_sparse_mla.yarn import YarnScaling
 
 __all__ = ["SafetensorsCheckpoint", "config_from_deepseek", "deepseek_config", "dequantize_fp8_blocks",
-           "layer_tensor_names", "load_deepseek_layer", "quantize_fp8_blocks", "random_layer_tensors",
+           "layer_tensor_names", "load_deepseek_layer", "open_checkpoint", "quantize_fp8_blocks", "random_layer_tensors",
            "read_safetensors", "rope_halves_permutation", "save_safetensors", "write_checkpoint"]
 
 #: DeepSeek's FP8 weight block (rows, columns) when the config names none.
@@ -134,13 +134,13 @@ def save_safetensors(path, tensors: Mapping[str, Any], metadata: Mapping[str, st
             f.write(a.tobytes())
 
 
-def _open_checkpoint(source) -> tuple[Mapping[str, np.ndarray], Path | None]:
-    """(tensors, directory holding config.json or None) of a checkpoint source."""
+def open_checkpoint(source) -> Mapping[str, np.ndarray]:
+    """The tensors (lazily read) of a checkpoint directory, a safetensors file or a mapping."""
     if isinstance(source, Mapping):
-        return source, None
+        return source
     path = Path(source)
     if path.is_file():
-        return read_safetensors(path), None
+        return read_safetensors(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint: {path} is neither a safetensors file nor a directory")
     index = path / "model.safetensors.index.json"
@@ -150,7 +150,7 @@ def _open_checkpoint(source) -> tuple[Mapping[str, np.ndarray], Path | None]:
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"checkpoint: no *.safetensors file in {path}")
-    return SafetensorsCheckpoint(files), path
+    return SafetensorsCheckpoint(files)
 
 
 # ---- FP8 weight blocks --------------------------------------------------------------------------
@@ -288,8 +288,9 @@ def load_deepseek_layer(source, layer: int = 0, config: MLAConfig | None = None,
     the layer config; by default read from the directory's `config.json` with `overrides`
     (e.g. `page_size=64`, `indexer="exact"`). Parameters come out float32, unsharded: place
     them with `nnx.get_partition_spec` as for a fresh layer."""
-    tensors, directory = _open_checkpoint(source)
+    tensors = open_checkpoint(source)
     block = DEFAULT_BLOCK
+    directory = None if isinstance(source, Mapping) else Path(source)
     if directory is not None and (directory / "config.json").is_file():
         raw = json.loads((directory / "config.json").read_text())
         block = tuple((raw.get("quantization_config") or {}).get("weight_block_size", block))
