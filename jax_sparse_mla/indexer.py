@@ -108,6 +108,8 @@ def index_scores(q_codes, q_weight, k_codes, k_scale):
     ``q_weight [..., s, heads]``) against keys ``k_codes [..., t, d]`` scaled by
     ``k_scale [..., t]``: ReLU'd dot products of the codes, weighted and summed over heads, times
     the key's scale."""
-    # Products of FP8 codes are exact in float32 (and TF32); only the sums round.
+    # Products of FP8 codes are exact at any dot precision (TF32, bf16 passes); only the float32
+    # sums round. The head weighting is not: HIGHEST keeps it float32 on GPUs and TPUs.
     logits = jnp.einsum("...shd,...td->...sht", q_codes.astype(jnp.float32), k_codes.astype(jnp.float32))
-    return jnp.einsum("...sht,...sh->...st", jnp.maximum(logits, 0.0), q_weight) * k_scale[..., None, :]
+    return jnp.einsum("...sht,...sh->...st", jnp.maximum(logits, 0.0), q_weight,
+                      precision=lax.Precision.HIGHEST) * k_scale[..., None, :]
