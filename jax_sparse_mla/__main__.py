@@ -8,6 +8,7 @@ USAGE = """usage: python -m jax_sparse_mla COMMAND [ARGS]
 
 commands:
   demo    decode with a small random-weight DeepSeek-style model (speed, agreement with dense)
+  layer   load a DeepSeek-V3.2 attention layer (synthetic checkpoint by default) and decode with it
   bench   time the op against the reference (see `bench --help`)
   info    how the extension was built
 """
@@ -23,6 +24,10 @@ def main(argv=None) -> int:
         from jax_sparse_mla import demo
 
         return demo.main(rest)
+    if command == "layer":
+        from jax_sparse_mla import layer_demo
+
+        return layer_demo.main(rest)
     if command == "bench":
         from jax_sparse_mla import bench  # written with the CUDA kernels
 

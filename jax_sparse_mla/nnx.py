@@ -25,8 +25,16 @@ Tensor parallelism: the per-head weights carry sharding names (`tp_axis`, defaul
 their head dim (`nnx.get_partition_spec` turns them into PartitionSpecs); with the heads so
 split the op's partitioning rule runs each device's heads locally on the replicated cache.
 
-RoPE uses the rotate-halves layout in both attention and the indexer. DeepSeek V3.2's own
-attention RoPE is interleaved: real checkpoints need their RoPE columns permuted to load here.
+RoPE uses the rotate-halves layout in both attention and the indexer, with the YaRN scaling of
+DeepSeek's configs when `rope_scaling` is set (`jax_sparse_mla.yarn`). DeepSeek V3.2's own
+attention RoPE is interleaved: `jax_sparse_mla.checkpoint` permutes a checkpoint's RoPE rows
+on load.
+
+Indexer numerics (`indexer=`): "fp8" (default) is DeepSeek V3.2's: queries and keys rotated by a
+Hadamard transform and quantized to FP8 with one scale per vector, keys kept in an FP8 paged
+index cache (`jax_sparse_mla.indexer`); "exact" scores float32 queries against bf16 keys,
+unrotated.
+
 Positions past the block table's capacity are neither written nor attended (their slot is -1):
 size the table for the longest request.
 """
@@ -40,11 +48,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_sparse_mla import indexer as fp8_indexer
 from jax_sparse_mla.formats import D_V, KVFormat, dequantize_kv, write_kv
 from jax_sparse_mla.ops import sparse_mla_decode
+from jax_sparse_mla.yarn import YarnScaling, rope_frequencies
 
-__all__ = ["LayerCache", "MLAConfig", "MLAAttention", "init_layer_cache", "make_block_table", "rope", "token_slots",
-           "window_indices"]
+__all__ = ["INDEXERS", "LayerCache", "MLAConfig", "MLAAttention", "init_layer_cache", "make_block_table", "rope",
+           "token_slots", "window_indices"]
+
+#: The indexer numerics `MLAConfig.indexer` selects.
+INDEXERS = ("fp8", "exact")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +77,23 @@ class MLAConfig:
     window: int = 0  # > 0: the last `window` tokens go to a sliding-window extra cache
     page_size: int = 64
     rope_theta: float = 10000.0
+    # YaRN as in DeepSeek's config.json (a dict of it is accepted); None: plain RoPE.
+    rope_scaling: YarnScaling | None = None
+    indexer: str = "fp8"  # "fp8": DeepSeek's Hadamard + FP8 indexer; "exact": float32 / bf16
+    index_scale_fmt: str | None = "ue8m0"  # FP8 indexer scales: powers of two, or None: float
     tp_axis: str = "tp"
+
+    def __post_init__(self):
+        object.__setattr__(self, "rope_scaling", YarnScaling.from_config(self.rope_scaling))
+        if self.indexer not in INDEXERS:
+            raise ValueError(f"MLAConfig.indexer must be one of {INDEXERS}, got {self.indexer!r}")
+        if self.index_scale_fmt not in fp8_indexer.SCALE_FMTS:
+            raise ValueError(f"MLAConfig.index_scale_fmt must be one of {fp8_indexer.SCALE_FMTS}, "
+                             f"got {self.index_scale_fmt!r}")
+        d = self.index_head_dim
+        if self.indexer == "fp8" and (d < 1 or d & (d - 1)):
+            raise ValueError(f"MLAConfig.index_head_dim must be a power of two for the Hadamard transform of "
+                             f"indexer='fp8', got {d}")
 
     @property
     def kv_format(self) -> KVFormat:
@@ -80,7 +109,13 @@ class MLAConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return (self.qk_nope_head_dim + self.rope_dim) ** -0.5
+        scale = (self.qk_nope_head_dim + self.rope_dim) ** -0.5
+        return scale * (self.rope_scaling.softmax_factor if self.rope_scaling else 1.0)
+
+    @property
+    def index_rope_dim(self) -> int:
+        """The indexer's leading dims that RoPE rotates (the rest of its head is position-free)."""
+        return min(self.rope_dim, self.index_head_dim // 2)
 
     @property
     def window_capacity(self) -> int:
@@ -92,13 +127,15 @@ class MLAConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerCache:
-    """One layer's decode state: the paged FP8 latent cache, the indexer's key cache (bf16,
-    same pages) and the sliding-window ring (one page of `window_capacity` tokens per request;
+    """One layer's decode state: the paged FP8 latent cache, the indexer's key cache on the same
+    pages (FP8 codes and their scales for `indexer="fp8"`, bf16 keys and no scales for
+    "exact") and the sliding-window ring (one page of `window_capacity` tokens per request;
     None without a window)."""
 
     kv: jax.Array  # [num_blocks, page_size, bytes_per_token] uint8
-    index_k: jax.Array  # [num_blocks, page_size, index_head_dim] bf16
+    index_k: jax.Array  # [num_blocks, page_size, index_head_dim] float8_e4m3fn ("fp8") or bf16 ("exact")
     window_kv: jax.Array | None = None  # [batch, window_capacity, bytes_per_token] uint8
+    index_k_scale: jax.Array | None = None  # [num_blocks, page_size] float32 ("fp8")
 
 
 def init_layer_cache(config: MLAConfig, num_blocks: int, batch: int) -> LayerCache:
@@ -106,10 +143,13 @@ def init_layer_cache(config: MLAConfig, num_blocks: int, batch: int) -> LayerCac
     window = None
     if config.window:
         window = jnp.zeros((batch, config.window_capacity, fmt.bytes_per_token), jnp.uint8)
+    pages = (num_blocks, config.page_size)
+    fp8 = config.indexer == "fp8"
     return LayerCache(
-        kv=jnp.zeros((num_blocks, config.page_size, fmt.bytes_per_token), jnp.uint8),
-        index_k=jnp.zeros((num_blocks, config.page_size, config.index_head_dim), jnp.bfloat16),
+        kv=jnp.zeros((*pages, fmt.bytes_per_token), jnp.uint8),
+        index_k=jnp.zeros((*pages, config.index_head_dim), jnp.float8_e4m3fn if fp8 else jnp.bfloat16),
         window_kv=window,
+        index_k_scale=jnp.zeros(pages, jnp.float32) if fp8 else None,
     )
 
 
@@ -123,14 +163,16 @@ def make_block_table(batch: int, max_context: int, page_size: int, *, seed: int 
     return jnp.asarray(order.reshape(batch, pages)), batch * pages
 
 
-def rope(x, positions, theta: float = 10000.0):
-    """Rotary embedding of `x [..., s, (heads,) d]` (halves rotated) at `positions [..., s]`."""
+def rope(x, positions, theta: float = 10000.0, scaling: YarnScaling | None = None):
+    """Rotary embedding of `x [..., s, (heads,) d]` (halves rotated) at `positions [..., s]`,
+    YaRN-scaled when `scaling` is given."""
     d = x.shape[-1]
-    freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    freqs = jnp.asarray(rope_frequencies(d, theta, scaling), jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * freqs  # [..., s, d/2]
     if x.ndim == positions.ndim + 2:  # a heads dim between s and d
         angles = angles[..., None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    amplitude = scaling.rope_amplitude if scaling else 1.0
+    cos, sin = jnp.cos(angles) * amplitude, jnp.sin(angles) * amplitude
     x1, x2 = x[..., : d // 2].astype(jnp.float32), x[..., d // 2:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
@@ -181,6 +223,10 @@ class MLAAttention(nnx.Module):
 
     # -- pieces --------------------------------------------------------------------------------
 
+    def _rope(self, x, pos):
+        c = self.config
+        return rope(x, pos, c.rope_theta, c.rope_scaling)
+
     def _queries(self, x, pos):
         """NoPE `[b, s, h, nope]` and rotated RoPE `[b, s, h, 64]` queries (float32) and the
         q LoRA latent (the indexer's input)."""
@@ -188,43 +234,71 @@ class MLAAttention(nnx.Module):
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).reshape(*x.shape[:2], c.n_heads, c.qk_nope_head_dim + c.rope_dim)
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
-        return q_nope, rope(q_pe, pos, c.rope_theta), qr
+        return q_nope, self._rope(q_pe, pos), qr
 
     def _new_keys(self, x, pos):
         """The cache entries `[b, s, d_qk]` (bf16) of the new tokens: normed latent, rotated RoPE."""
         c = self.config
         kv = self.wkv_a(x)
         latent = self.kv_norm(kv[..., : c.latent_dim])
-        k_pe = rope(kv[..., c.latent_dim:], pos, c.rope_theta)
+        k_pe = self._rope(kv[..., c.latent_dim:], pos)
         return jnp.concatenate([latent, k_pe], axis=-1).astype(jnp.bfloat16)
 
-    def _index_scores(self, x, qr, pos, index_k, block_table, max_context):
-        """Indexer scores `[b, s, max_context]` of every context position (-inf where masked)."""
+    def _index_rope(self, v, pos):
+        """RoPE on the indexer's leading dims (halves layout, as DeepSeek's indexer); with
+        `indexer="fp8"` then the Hadamard rotation."""
+        r = self.config.index_rope_dim
+        v = jnp.concatenate([self._rope(v[..., :r], pos), v[..., r:].astype(jnp.float32)], axis=-1)
+        return fp8_indexer.hadamard(v) if self.config.indexer == "fp8" else v
+
+    def _write_index_keys(self, x, pos, cache: LayerCache, slots):
+        """The indexer keys of the new tokens stored at their slots: `(index_k, index_k_scale)`."""
+        c = self.config
+        k = self._index_rope(self.k_idx_norm(self.wk_idx(x)), pos)
+        if c.indexer == "fp8":
+            return fp8_indexer.write_index_k(cache.index_k, cache.index_k_scale, k, slots, c.index_scale_fmt)
+        flat = cache.index_k.reshape(-1, c.index_head_dim)
+        index_slots = jnp.where(slots < 0, flat.shape[0], slots)  # dropped, not wrapped
+        flat = flat.at[index_slots].set(k.astype(jnp.bfloat16), mode="drop")
+        return flat.reshape(cache.index_k.shape), None
+
+    def _index_scores(self, x, qr, pos, cache: LayerCache, block_table, max_context):
+        """Indexer scores `[b, s, max_context]` of every context position (-inf where masked),
+        against the index keys in `cache`."""
         c = self.config
         b, s = x.shape[:2]
-        r = min(c.rope_dim, c.index_head_dim // 2)
-        q = self.wq_idx(qr).reshape(b, s, c.index_n_heads, c.index_head_dim)
-        q = jnp.concatenate([rope(q[..., :r], pos, c.rope_theta), q[..., r:]], axis=-1)
+        q = self._index_rope(self.wq_idx(qr).reshape(b, s, c.index_n_heads, c.index_head_dim), pos)
         weights = self.w_idx_weights(x) * c.index_n_heads ** -0.5  # [b, s, heads]
         ctx = jnp.arange(max_context, dtype=jnp.int32)
-        keys = index_k.reshape(-1, c.index_head_dim)[token_slots(block_table, ctx[None, :], c.page_size)]
-        logits = jnp.einsum("bshd,btd->bsht", q, keys.astype(jnp.float32)) * c.index_head_dim ** -0.5
-        scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), weights)
+        ctx_slots = token_slots(block_table, ctx[None, :], c.page_size)
+        keys = cache.index_k.reshape(-1, c.index_head_dim)[ctx_slots]  # [b, t, d]
+        if c.indexer == "fp8":
+            q_codes, q_scale = fp8_indexer.quantize_fp8(q, c.index_scale_fmt)
+            k_scale = cache.index_k_scale.reshape(-1)[ctx_slots]
+            scores = fp8_indexer.index_scores(q_codes, weights * q_scale * c.index_head_dim ** -0.5, keys, k_scale)
+        else:
+            logits = jnp.einsum("bshd,btd->bsht", q, keys.astype(jnp.float32)) * c.index_head_dim ** -0.5
+            scores = jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), weights)
         last = pos - (c.window if c.window else 0)  # the window's tokens are attended anyway
         return jnp.where(ctx[None, None, :] <= last[..., None], scores, -jnp.inf)
 
     # -- the layer ------------------------------------------------------------------------------
 
-    def __call__(self, x, cache: LayerCache, positions, block_table, *, dense: bool = False):
+    def __call__(self, x, cache: LayerCache, positions, block_table, *, dense: bool = False,
+                 return_topk: bool = False):
         """`x [b, s, dim]` hidden states of new tokens at positions `positions[i] + [0, s)`
         (`positions [b]` int32: the tokens already cached); `block_table [b, pages]`.
-        Returns `(y [b, s, dim] float32, updated cache)`. The cache's context capacity is
-        `pages * page_size` tokens."""
+        Returns `(y [b, s, dim] float32, updated cache)`, and with `return_topk` also the
+        context positions each new token attends to, `[b, s, k]` int32 best first, -1 past the
+        valid ones (sparse path only). The cache's context capacity is `pages * page_size`
+        tokens."""
         c = self.config
         fmt = c.kv_format
         b, s, _ = x.shape
         if c.window and s > c.window + 1:
             raise ValueError(f"x: at most window + 1 = {c.window + 1} new tokens per call with a window, got {s}")
+        if dense and return_topk:
+            raise ValueError("return_topk: the dense path selects no tokens (use dense=False)")
         pos = positions[:, None].astype(jnp.int32) + jnp.arange(s, dtype=jnp.int32)  # [b, s]
         max_context = block_table.shape[1] * c.page_size
         slots = token_slots(block_table, pos, c.page_size)
@@ -232,28 +306,23 @@ class MLAAttention(nnx.Module):
         q_nope, q_pe, qr = self._queries(x, pos)
         k_new = self._new_keys(x, pos)
         kv = write_kv(cache.kv, k_new, slots, fmt)
-        k_idx = self.k_idx_norm(self.wk_idx(x))
-        r = min(c.rope_dim, c.index_head_dim // 2)
-        k_idx = jnp.concatenate([rope(k_idx[..., :r], pos, c.rope_theta), k_idx[..., r:]], axis=-1)
-        flat_index_k = cache.index_k.reshape(-1, c.index_head_dim)
-        index_slots = jnp.where(slots < 0, flat_index_k.shape[0], slots)  # dropped, not wrapped
-        index_k = flat_index_k.at[index_slots].set(k_idx.astype(jnp.bfloat16), mode="drop")
-        index_k = index_k.reshape(cache.index_k.shape)
+        index_k, index_k_scale = self._write_index_keys(x, pos, cache, slots)
         window_kv = cache.window_kv
         if c.window:
             ring = jnp.arange(b, dtype=jnp.int32)[:, None] * c.window_capacity + pos % c.window_capacity
             window_kv = write_kv(window_kv, k_new, ring, fmt)
-        new_cache = LayerCache(kv=kv, index_k=index_k, window_kv=window_kv)
+        new_cache = LayerCache(kv=kv, index_k=index_k, window_kv=window_kv, index_k_scale=index_k_scale)
 
         if dense:
             o = self._dense_attention(q_nope, q_pe, kv, block_table, pos, max_context)
         else:
-            scores = self._index_scores(x, qr, pos, index_k, block_table, max_context)
+            scores = self._index_scores(x, qr, pos, new_cache, block_table, max_context)
             k = min(c.index_topk, max_context)
             top, chosen = jax.lax.top_k(scores, k)  # [b, s, k], best first
+            chosen = jnp.where(jnp.isfinite(top), chosen, -1).astype(jnp.int32)
             context_slots = token_slots(block_table, jnp.arange(max_context, dtype=jnp.int32)[None], c.page_size)
             chosen_slots = context_slots[jnp.arange(b)[:, None, None], chosen]
-            indices = jnp.where(jnp.isfinite(top), chosen_slots, -1).astype(jnp.int32)
+            indices = jnp.where(chosen >= 0, chosen_slots, -1).astype(jnp.int32)
             # Valid entries come first; the longest row bounds the work (shorter rows hold -1s).
             topk_length = jnp.clip(pos[:, -1] + 1 - c.window, 0, k).astype(jnp.int32)
             # Weight absorption: NoPE queries into the latent space.
@@ -266,7 +335,8 @@ class MLAAttention(nnx.Module):
                                      attn_sink=None if self.sink is None else self.sink[...], **extra)
             o = o.astype(jnp.float32)
         o = jnp.einsum("bshc,hcv->bshv", o, self.w_uv[...])
-        return self.wo(o.reshape(b, s, c.n_heads * c.v_head_dim)), new_cache
+        y = self.wo(o.reshape(b, s, c.n_heads * c.v_head_dim))
+        return (y, new_cache, chosen) if return_topk else (y, new_cache)
 
     def _dense_attention(self, q_nope, q_pe, kv, block_table, pos, max_context):
         """Naive MLA in float32: per-head keys and values up-projected from the dequantized

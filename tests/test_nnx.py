@@ -209,10 +209,11 @@ def test_layer_equals_independent_naive_mla(cfg):
         _assert_close(y[:, 0], _naive_mla(layer, xs, entries, t, c), rel=1e-2)
 
 
-def test_beyond_topk_attends_the_indexers_best_tokens():
+@pytest.mark.parametrize("indexer", jnnx.INDEXERS)
+def test_beyond_topk_attends_the_indexers_best_tokens(indexer):
     """With more context than top-k, the layer equals naive MLA over the k positions the
     indexer scores highest (its own scores, ranked here independently)."""
-    c = jnnx.MLAConfig(**SMALL, fmt="V32", index_topk=5, attn_sink=False)
+    c = jnnx.MLAConfig(**SMALL, fmt="V32", index_topk=5, attn_sink=False, indexer=indexer)
     b, steps = 2, 12
     layer, cache, table, xs, entries = _layer_and_history(c, b, steps, seed=1)
     max_context = table.shape[1] * c.page_size
@@ -221,7 +222,7 @@ def test_beyond_topk_attends_the_indexers_best_tokens():
         pos = jnp.full((b, 1), t, jnp.int32)
         y, cache = _jit_step(layer, x, cache, pos[:, 0], table, False)
         qr = layer.q_norm(layer.wq_a(x))
-        scores = np.asarray(layer._index_scores(x, qr, pos, cache.index_k, table, max_context))[:, 0, : t + 1]
+        scores = np.asarray(layer._index_scores(x, qr, pos, cache, table, max_context))[:, 0, : t + 1]
         best = np.argsort(-scores, axis=-1, kind="stable")[:, : c.index_topk]
         keep = np.zeros((b, t + 1), bool)
         np.put_along_axis(keep, best, True, axis=-1)
