@@ -1,20 +1,38 @@
 """Timing of `sparse_mla_decode` against the pure-JAX paths and FlashMLA's published times.
 
-    python -m jax_sparse_mla.bench --shapes v32_h128_s2_b128 --iters 20
+    python -m jax_sparse_mla.bench --shapes v32_h128_s2_b128_k2048 --iters 20
     python benchmarks/bench_decode.py --shapes all --plot bench.png
+    python -m jax_sparse_mla.bench --allow-cpu --shapes v32_h16_s1_b2_k64_p16_n256   # a custom shape
 
 Inputs are built like FlashMLA's test generator: every request owns its own pages of the cache,
 scattered at random; each query row picks `topk` distinct random tokens of its request; every
 cache slot no valid entry points at holds NaN bytes; the sink is on. The plan is computed once.
 One timing is N back-to-back calls inside one jitted function (N >= 8, each on its own set of q
-and indices: XLA would merge identical calls, and small shapes must not run out of L2), divided by N, so that
-the fixed cost of dispatching and awaiting one XLA executable (~0.3 ms here) is spread as in a
-decode loop where the host runs ahead (the gather-first path is timed the same way; the
-whole-cache reference, at milliseconds a call, once per dispatch); the median over `--iters`
-repetitions is reported, with µs, TFLOP/s and GB/s per SPEC §7, and the ratio to two pure-JAX
-paths timed in the same run: `reference.sparse_mla_decode` (dequantizes the whole cache) and
-the gather-first path a JAX user writes (gather -> dequantize -> einsum -> softmax -> einsum).
-FlashMLA's time on an H200 (from shared/PERF.md) is printed beside.
+and indices: XLA would merge identical calls, and small shapes must not run out of L2), divided by N.
+
+Two figures per call, for our op and for both pure-JAX paths:
+- device µs (the first column): one more repetition runs under `jax.profiler.trace` and the span of
+  its device events, first kernel start to last kernel end, is divided by N (`trace_summary`). This
+  is kernel time plus the gaps between kernels, without the host's cost of dispatching and awaiting
+  the executable; it is the figure to compare with kernel times (ncu, FlashMLA's).
+- wall µs: the median over `--iters` dispatches of the wall time of one dispatch, divided by N; it
+  includes the fixed cost of dispatching and awaiting one XLA executable (~0.3 ms on a GPU), spread
+  over the N calls as in a decode loop where the host runs ahead.
+(The whole-cache reference, at milliseconds a call, runs once per dispatch: N = 1.) Where the
+profiler fails (e.g. no CUPTI) or records no device events (the CPU backend), the device figure is
+missing and that row falls back to wall time, said in a note under the table.
+
+TFLOP/s and GB/s (SPEC §7) use `us` (device µs where measured); the ratios "x" to the two pure-JAX paths timed in the same run,
+`reference.sparse_mla_decode` (dequantizes the whole cache) and the gather-first path a JAX user
+writes (gather -> dequantize -> einsum -> softmax -> einsum), divide device by device time when both
+have it, else wall by wall (marked "(wall)"). FlashMLA's published time on an H200 is printed
+beside, with `us` over it.
+
+JSON rows (`--json`): `us` is the device µs per call when the profiler gave it, else the wall µs;
+`timing` says which ("device" or "wall"), `device_us` (None when missing, with `device_error` saying
+why) and `wall_us` hold both. The XLA paths have the same keys behind a prefix: `xla_gather_us`,
+`xla_gather_timing`, `xla_gather_device_us`, `xla_gather_wall_us`, and `xla_ref_...`. `trace` holds
+our op's profiled repetition (per-call span, busy and idle µs, per-kernel µs; printed with --trace).
 """
 
 from __future__ import annotations
@@ -25,8 +43,11 @@ import dataclasses
 import gc
 import json
 import math
+import os
+import re
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -36,7 +57,7 @@ import numpy as np
 from jax_sparse_mla import formats, ops, reference, trace_summary
 from jax_sparse_mla.formats import KVFormat
 
-__all__ = ["Shape", "PRESETS", "main", "run_shape"]
+__all__ = ["Shape", "PRESETS", "main", "run_shape", "shape_from_name", "table"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +74,12 @@ class Shape:
     extra_s_k: int = 0
     flashmla_us: float | None = None  # shared/PERF.md, H200
     perf_xla_us: float | None = None  # shared/PERF.md, the pure-JAX path
+    label: str = ""  # the name a custom shape was asked for by (it names its page and token counts)
 
     @property
     def name(self) -> str:
+        if self.label:
+            return self.label
         n = f"{self.fmt.lower()}_h{self.h_q}_s{self.s_q}_b{self.b}_k{self.topk}"
         return n + (f"_x{self.extra_topk}" if self.extra_topk else "")
 
@@ -100,6 +124,31 @@ _ALL = [
     Shape("MODEL1", 128, 2, 148, 16384, page=64, s_k=65536, flashmla_us=2835.8),
 ]
 PRESETS = {s.name: s for s in _ALL}
+_CUSTOM = re.compile(r"(?P<fmt>v32|model1)_h(?P<h>\d+)_s(?P<s>\d+)_b(?P<b>\d+)_k(?P<k>\d+)"
+                     r"(?:_x(?P<x>\d+))?(?:_p(?P<p>\d+))?(?:_n(?P<n>\d+))?")
+
+
+def shape_from_name(name: str) -> Shape:
+    """A preset by name, or a custom shape `{v32|model1}_hH_sS_bB_kTOPK[_xEXTRA][_pPAGE][_nTOKENS]`
+    (page 64, TOKENS per request max(32768, 4 TOPK) unless given; the extra cache of MODEL1 has
+    pages of 64 and 4 EXTRA tokens per request). E.g. v32_h16_s1_b2_k64_p16_n256 runs in seconds
+    on a CPU."""
+    if name in PRESETS:
+        return PRESETS[name]
+    m = _CUSTOM.fullmatch(name)
+    if m is None:
+        raise ValueError(f"unknown shape {name!r}: a preset (see --list) or "
+                         "{v32|model1}_hH_sS_bB_kTOPK[_xEXTRA][_pPAGE][_nTOKENS]")
+    topk, extra = int(m["k"]), int(m["x"] or 0)
+    if extra and m["fmt"] == "v32":
+        raise ValueError(f"{name!r}: only MODEL1 has an extra cache (_x)")
+    s_k = int(m["n"] or max(32768, 4 * topk))
+    if s_k < topk:
+        raise ValueError(f"{name!r}: {s_k} tokens per request is fewer than topk {topk}")
+    return Shape(m["fmt"].upper(), int(m["h"]), int(m["s"]), int(m["b"]), topk, page=int(m["p"] or 64), s_k=s_k,
+                 extra_topk=extra, extra_s_k=4 * extra, label=name)
+
+
 # A quick default: the shape of the 3x bar, plus one small and one MODEL1 shape.
 DEFAULT_SHAPES = ["v32_h128_s2_b128_k2048", "v32_h128_s2_b1_k2048", "model1_h128_s2_b128_k128_x1024"]
 
@@ -238,21 +287,47 @@ def cost(shape: Shape, distinct_tokens: float):
 CALLS_PER_TIMING = 8
 
 
-def _traced_repetition(fn, args, calls: int, trace_dir: str) -> dict:
-    """One more repetition under the profiler; per-call device span, busy and idle µs."""
+# Under ncu, CUPTI refuses a second subscriber: jax logs the error and records host events only.
+NO_DEVICE_EVENTS = "the profiler recorded no device events (CPU backend, or CUPTI unavailable or held by ncu)"
+
+
+def _device_time(fn, args, calls: int, trace_dir: str) -> dict:
+    """One more repetition of `fn(*args)` under the profiler, its trace written under `trace_dir`.
+
+    Returns the per-call device span, busy and idle µs and per-kernel µs, or {"error": why} when
+    the profiler fails (e.g. no CUPTI) or records no device events (the CPU backend)."""
     try:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             jax.block_until_ready(fn(*args))
-    except Exception as e:  # e.g. no CUPTI: the timing above still stands
+    except Exception as e:  # the wall time still stands; the caller falls back to it
         return {"error": f"profiler failed: {type(e).__name__}: {str(e)[:200]}"}
     path = trace_summary.latest_trace_file(trace_dir)
     if path is None:
-        return {"error": f"no perfetto trace under {trace_dir}"}
-    s = trace_summary.summarize_file(path)
+        return {"error": "the profiler wrote no perfetto trace"}
+    try:
+        s = trace_summary.summarize_file(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a trace format this reader does not know
+        return {"error": f"could not read the profiler's trace: {type(e).__name__}: {str(e)[:200]}"}
+    if not s["kernels"] or s["span_us"] <= 0:
+        return {"error": NO_DEVICE_EVENTS}
     return dict(file=path, calls=calls, span_us=s["span_us"] / calls, busy_us=s["busy_us"] / calls,
                 idle_us=s["idle_us"] / calls,
                 kernels={name: k["total_us"] / calls for name, k in s["kernels"].items()},
                 text=trace_summary.format_summary(s, calls))
+
+
+def _measure(prefix: str, fn, args, iters: int, calls: int, trace_dir: str) -> tuple[dict, dict]:
+    """Wall and device µs per call of `fn(*args)` (which makes `calls` calls), as row keys behind
+    `prefix` (see the module docstring), and the profiled repetition's details."""
+    wall = _time(fn, args, iters, calls)
+    trace = _device_time(fn, args, calls, trace_dir)
+    device = trace.get("span_us")
+    keys = {f"{prefix}us": wall if device is None else device,
+            f"{prefix}timing": "wall" if device is None else "device",
+            f"{prefix}device_us": device, f"{prefix}wall_us": wall}
+    if device is None:
+        keys[f"{prefix}device_error"] = trace["error"]
+    return keys, trace
 
 
 def _sets_for(shape: Shape) -> int:
@@ -263,8 +338,15 @@ def _sets_for(shape: Shape) -> int:
 
 def run_shape(shape: Shape, iters: int = 20, xla: bool = True, reference_path: bool = True,
               trace_dir: str | None = None) -> dict:
-    """Times one shape; with `trace_dir`, one more repetition of our calls runs under
-    jax.profiler.trace there and row["trace"] splits it into kernel time and idle time."""
+    """Times one shape (wall and device time, see the module docstring). The profiler's traces go
+    under `trace_dir`/<shape>/ when given (kept), else into a temporary directory (removed)."""
+    if trace_dir is not None:
+        return _run_shape(shape, iters, xla, reference_path, os.path.join(trace_dir, shape.name), keep=True)
+    with tempfile.TemporaryDirectory(prefix="jsm_bench_trace_") as tmp:
+        return _run_shape(shape, iters, xla, reference_path, tmp, keep=False)
+
+
+def _run_shape(shape: Shape, iters: int, xla: bool, reference_path: bool, trace_dir: str, keep: bool) -> dict:
     # One input set per call: XLA merges calls with identical operands (they are pure).
     sets = max(_sets_for(shape), CALLS_PER_TIMING)
     inp = make_inputs(shape, sets)
@@ -288,13 +370,20 @@ def run_shape(shape: Shape, iters: int = 20, xla: bool = True, reference_path: b
 
     eidxs = inp.extra_idxs if extra else [None] * sets
     args = (inp.qs, inp.idxs, eidxs, inp.kv, inp.extra_kv, inp.sink, plan)
-    us = _time(ours, args, iters, calls)
+    timing, trace = _measure("", ours, args, iters, calls, os.path.join(trace_dir, "ours"))
+    if not keep:
+        trace.pop("file", None)  # it is about to be removed
+    us = timing["us"]
     flop, nbytes = cost(shape, inp.distinct_tokens)
     row = dict(shape=shape.name, fmt=shape.fmt, h_q=shape.h_q, s_q=shape.s_q, b=shape.b, topk=shape.topk,
-               extra_topk=shape.extra_topk, us=us, tflops=flop / us * 1e-6, gbs=nbytes / us * 1e-3,
-               flashmla_us=shape.flashmla_us, perf_xla_us=shape.perf_xla_us, sets=sets)
-    if trace_dir is not None:
-        row["trace"] = _traced_repetition(ours, args, calls, f"{trace_dir}/{shape.name}")
+               extra_topk=shape.extra_topk, **timing, tflops=flop / us * 1e-6, gbs=nbytes / us * 1e-3,
+               flashmla_us=shape.flashmla_us, perf_xla_us=shape.perf_xla_us, sets=sets, trace=trace)
+
+    def measure_xla(prefix, fn, args, calls):
+        try:
+            row.update(_measure(prefix, fn, args, max(3, iters // 4), calls, os.path.join(trace_dir, prefix[:-1]))[0])
+        except Exception as e:  # e.g. out of memory on the largest shapes
+            row.update({f"{prefix}us": None, f"{prefix}error": f"{type(e).__name__}: {str(e)[:200]}"})
 
     if xla:
         @jax.jit
@@ -303,45 +392,60 @@ def run_shape(shape: Shape, iters: int = 20, xla: bool = True, reference_path: b
                                       eidxs[i] if extra else None, sm_scale=sm_scale)
                     for i in range(calls)]
 
-        try:
-            row["xla_gather_us"] = _time(gather_path, (inp.qs, inp.idxs, eidxs, inp.kv, inp.extra_kv, inp.sink),
-                                         max(3, iters // 4), calls)
-        except Exception as e:  # e.g. out of memory on the largest shapes
-            row["xla_gather_us"] = None
-            row["xla_gather_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        measure_xla("xla_gather_", gather_path, (inp.qs, inp.idxs, eidxs, inp.kv, inp.extra_kv, inp.sink), calls)
     if reference_path:
         @jax.jit
         def ref_path(q, idx, eidx, kv, ekv, sink):
             kw = dict(extra_kv_cache=ekv, extra_indices=eidx) if extra else {}
             return reference.sparse_mla_decode(q, kv, idx, sm_scale=sm_scale, attn_sink=sink, **kw)
 
-        try:
-            row["xla_ref_us"] = _time(ref_path, (inp.qs[0], inp.idxs[0], eidxs[0], inp.kv, inp.extra_kv, inp.sink),
-                                      max(3, iters // 4), 1)
-        except Exception as e:
-            row["xla_ref_us"] = None
-            row["xla_ref_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        # At milliseconds a call, one call per dispatch.
+        measure_xla("xla_ref_", ref_path, (inp.qs[0], inp.idxs[0], eidxs[0], inp.kv, inp.extra_kv, inp.sink), 1)
     del inp, args, plan
     gc.collect()
     return row
+
+
+def _compare(row: dict, prefix: str):
+    """(ours µs, theirs µs, measure) for the ratio to the XLA path `prefix`, both in one measure:
+    device time when both have it, else wall time; theirs is None when that path did not run."""
+    if row.get(f"{prefix}us") is None:
+        return row["us"], None, row["timing"]
+    if row["device_us"] is not None and row.get(f"{prefix}device_us") is not None:
+        return row["device_us"], row[f"{prefix}device_us"], "device"
+    return row["wall_us"], row[f"{prefix}wall_us"], "wall"
 
 
 def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+TABLE_LEGEND = ("device µs/call = profiler span of N back-to-back calls / N; wall µs/call = median wall time "
+                "of one dispatch of them / N. TFLOP/s, GB/s and ours/FlashMLA use device µs; x = XLA path's "
+                "time over ours, device over device (wall over wall where marked).")
+
+
 def table(rows) -> str:
-    head = ("| shape | ours µs | TFLOP/s | GB/s | XLA gather µs | x | XLA ref µs | x | FlashMLA µs | ours/FlashMLA |"
-            "\n|---|---|---|---|---|---|---|---|---|---|")
-    lines = [head]
+    """A markdown table, the legend, and a note for every row whose device time is missing."""
+    lines = ["| shape | device µs/call | wall µs/call | TFLOP/s | GB/s | XLA gather µs | x | XLA ref µs | x "
+             "| FlashMLA µs | ours/FlashMLA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
     for r in rows:
-        xg, xr, fm = r.get("xla_gather_us"), r.get("xla_ref_us"), r.get("flashmla_us")
-        lines.append(
-            f"| {r['shape']} | {r['us']:.1f} | {r['tflops']:.0f} | {r['gbs']:.0f} | {_fmt(xg, '.1f')} | "
-            f"{_fmt(xg / r['us'] if xg else None, '.2f')} | {_fmt(xr, '.1f')} | "
-            f"{_fmt(xr / r['us'] if xr else None, '.2f')} | {_fmt(fm, '.1f')} | "
-            f"{_fmt(r['us'] / fm if fm else None, '.2f')} |")
-    return "\n".join(lines)
+        cells = [r["shape"], _fmt(r["device_us"], ".1f"), _fmt(r["wall_us"], ".1f"), f"{r['tflops']:.0f}",
+                 f"{r['gbs']:.0f}"]
+        for prefix in ("xla_gather_", "xla_ref_"):
+            ours, theirs, measure = _compare(r, prefix)
+            mark = " (wall)" if measure != r["timing"] else ""
+            cells += [_fmt(theirs, ".1f") + (mark if theirs else ""),
+                      _fmt(theirs / ours if theirs else None, ".2f") + (mark if theirs else "")]
+        fm = r.get("flashmla_us")
+        cells += [_fmt(fm, ".1f"), _fmt(r["us"] / fm if fm else None, ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+        if r["timing"] != "device":
+            notes.append(f"note: {r['shape']}: no device time: {r.get('device_error', 'not measured')}; "
+                         "its TFLOP/s, GB/s and ratios use wall µs")
+    return "\n".join(lines + [TABLE_LEGEND] + notes)
 
 
 def plot(rows, path):
@@ -353,13 +457,14 @@ def plot(rows, path):
     names = [r["shape"] for r in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(rows)), 5))
-    series = [("jax_sparse_mla", [r["us"] for r in rows]),
-              ("XLA gather-first", [r.get("xla_gather_us") or np.nan for r in rows]),
+    pairs = [_compare(r, "xla_gather_") for r in rows]  # ours and gather-first in one measure per shape
+    series = [("jax_sparse_mla", [ours for ours, _, _ in pairs]),
+              ("XLA gather-first", [theirs or np.nan for _, theirs, _ in pairs]),
               ("FlashMLA (PERF.md)", [r.get("flashmla_us") or np.nan for r in rows])]
     for k, (label, vals) in enumerate(series):
         ax.bar(x + (k - 1) * 0.27, vals, 0.27, label=label)
     ax.set_xticks(x, names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("µs per call")
+    ax.set_ylabel("µs per call (device time; wall where the profiler gave none)")
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
@@ -383,15 +488,17 @@ def _progress(total: int):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES,
-                    help="preset names (see --list) or 'all'")
+                    help="preset names (see --list), 'all', or custom shapes "
+                         "{v32|model1}_hH_sS_bB_kTOPK[_xEXTRA][_pPAGE][_nTOKENS]")
     ap.add_argument("--iters", type=int, default=20, help="timed repetitions per shape (median reported)")
     ap.add_argument("--no-xla", action="store_true", help="skip the gather-first pure-JAX path")
     ap.add_argument("--no-reference", action="store_true", help="skip reference.sparse_mla_decode")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG bar chart")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--trace", metavar="DIR",
-                    help="profile one more repetition per shape (jax.profiler, Perfetto trace under DIR) "
-                         "and print its device span, kernel and idle time per call")
+                    help="keep the profiler's Perfetto traces under DIR/<shape>/ (by default they go to a "
+                         "temporary directory, removed) and print our op's device span, busy, idle and "
+                         "per-kernel µs per call")
     ap.add_argument("--list", action="store_true", help="list the presets and exit")
     ap.add_argument("--allow-cpu", action="store_true",
                     help="run even without a GPU (the presets then take minutes and time the C++ CPU path)")
@@ -401,24 +508,25 @@ def main(argv=None):
             print(name, f"FlashMLA {s.flashmla_us} µs" if s.flashmla_us else "")
         return 0
     names = list(PRESETS) if args.shapes == ["all"] else args.shapes
-    unknown = [n for n in names if n not in PRESETS]
-    if unknown:
-        ap.error(f"unknown shapes {unknown}; see --list")
+    try:
+        shapes = [shape_from_name(n) for n in names]
+    except ValueError as e:
+        ap.error(str(e))
     if jax.default_backend() == "cpu" and not args.allow_cpu:
         print("bench: no GPU visible to JAX. The presets are GPU-sized and would time the C++ CPU path "
               "for minutes; pass --allow-cpu to run anyway.", file=sys.stderr)
         return 2
     print(f"devices: {jax.devices()}  jax {jax.__version__}")
     rows = []
-    with _progress(len(names)) as advance:
-        for n in names:
-            row = run_shape(PRESETS[n], iters=args.iters, xla=not args.no_xla, reference_path=not args.no_reference,
+    with _progress(len(shapes)) as advance:
+        for shape in shapes:
+            row = run_shape(shape, iters=args.iters, xla=not args.no_xla, reference_path=not args.no_reference,
                             trace_dir=args.trace)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
-            if "trace" in row:
-                print(f"{n}: " + row["trace"].get("text", row["trace"].get("error", "")), flush=True)
-            advance(n)
+            if args.trace:
+                print(f"{shape.name}: " + row["trace"].get("text", row["trace"].get("error", "")), flush=True)
+            advance(shape.name)
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,10 +1,11 @@
 """Where a traced stretch of GPU time goes: kernel times and the gaps between them.
 
-`bench --trace DIR` records one timed repetition with `jax.profiler.trace` and reads the
-Perfetto trace back here. The device's events (processes named "/device:...") give, per
-kernel name, how often it ran and for how long, and over the whole stretch how much of
-the wall time some kernel was running ("busy") versus idle between kernels. That splits
-a benchmark's wall time into kernel time and everything else (dispatch, sync, gaps).
+`bench` records one more repetition of each timed path with `jax.profiler.trace` (under
+`--trace DIR`, else in a temporary directory) and reads the Perfetto trace back here. The
+device's events (processes named "/device:...") give, per kernel name, how often it ran and for
+how long, and over the whole stretch its span (first kernel start to last kernel end: bench's
+device µs, once divided by the calls in the stretch) and how much of it some kernel was running
+("busy") versus idle between kernels. Host events (dispatch, sync) are not counted.
 """
 
 from __future__ import annotations
