@@ -130,7 +130,14 @@ if has sanitize; then
   summary+=("memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1) / $(grep SMOKE "$OUT/sanitize.log")")
 fi
 
-if has racecheck; then  # shared-memory races and barrier misuse (never run so far)
+if has racecheck; then  # shared-memory races and barrier misuse
+  # First the minimal named-barrier hand-off kernel (sanitizer_repro/): a report there is about
+  # the pattern (the decode kernel's WG0 -> WG1 hand-off of P and alpha), not about the decode.
+  nvcc -gencode=arch=compute_90a,code=sm_90a -o /tmp/handoff benchmarks/sanitizer_repro/named_barrier_handoff.cu \
+    && for tool in racecheck synccheck; do
+      compute-sanitizer --tool $tool /tmp/handoff >"$OUT/repro_$tool.log" 2>&1
+      summary+=("repro $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|handoff' "$OUT/repro_$tool.log" | tr '\n' ' ')")
+    done
   for tool in racecheck synccheck; do
     stamp "$tool"
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \
