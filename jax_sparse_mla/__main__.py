@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 USAGE = """usage: python -m jax_sparse_mla COMMAND [ARGS]
@@ -42,13 +43,13 @@ def info_lines() -> list[str]:
     import jax_sparse_mla
 
     build = jax_sparse_mla.build_info()
-    archs = [f"sm_{a}" for a in build["cuda_archs"]]
+    archs = build["cuda_archs"]  # e.g. ["sm_90a"]
     try:
         gpus = jax.devices("gpu")
     except RuntimeError:  # no GPU backend at all
         gpus = []
     # "9.0" -> "90"; an sm_90a kernel runs only on compute capability 9.0 exactly.
-    ccs = [str(getattr(d, "compute_capability", "")).replace(".", "") for d in gpus]
+    ccs = [re.sub(r"\D", "", str(getattr(d, "compute_capability", ""))) for d in gpus]
     lines = [
         f"jax_sparse_mla {build['version']}, built against jaxlib {build['jaxlib']}",
         "CUDA handlers built: " + (f"yes, for {', '.join(archs)}" if build["cuda"] else "no"),
@@ -56,7 +57,7 @@ def info_lines() -> list[str]:
         "GPUs JAX sees: " + (", ".join(f"{d} ({d.device_kind}, sm_{cc})" for d, cc in zip(gpus, ccs))
                              if gpus else "none"),
     ]
-    covered = [d for d, cc in zip(gpus, ccs) if any(a.rstrip("af") == cc for a in build["cuda_archs"])]
+    covered = [d for d, cc in zip(gpus, ccs) if any(re.sub(r"\D", "", a) == cc for a in archs)]
     if not gpus:
         where = "the CPU handlers" + (" (the CUDA handlers were built but JAX sees no GPU)" if build["cuda"] else "")
     elif not build["cuda"]:
