@@ -40,18 +40,22 @@ def _fits_int32(x) -> bool:
     return INT32_MIN <= int(info.min) and int(info.max) <= INT32_MAX
 
 
-def ids(name: str, x, num_tokens: int, *, int32_only: bool = False):
+def ids(name: str, x, num_tokens: int | None, *, int32_only: bool = False):
     """Token ids (indices, slots) into a cache of `num_tokens` tokens as a JAX array with the same
-    meaning: a host id outside `[0, num_tokens)`, at any width, becomes -1. JAX arrays (any
-    integer dtype) pass through; non-integer input is returned for the caller's dtype check.
-    A host id inside the cache that int32 cannot hold is an error unless x64 is on and the
-    caller takes 64-bit ids (`int32_only` False)."""
+    meaning: a host id outside `[0, num_tokens)`, at any width, becomes -1 (`num_tokens` None:
+    a cache int32 ids address, so only ids int32 cannot hold). JAX arrays (any integer dtype)
+    pass through; non-integer input is returned for the caller's dtype check. A host id inside
+    the cache that int32 cannot hold is an error unless x64 is on and the caller takes 64-bit
+    ids (`int32_only` False)."""
     arr = _host(x)
     if arr is None:
         return x
     if not _is_int(arr):
         return arr
-    valid = (arr >= 0) & (arr < num_tokens)  # NumPy compares at full width
+    if num_tokens is None:
+        valid = (arr >= INT32_MIN) & (arr <= INT32_MAX)  # NumPy compares at full width
+    else:
+        valid = (arr >= 0) & (arr < num_tokens)
     out = np.full(arr.shape, -1, np.int64)
     out[valid] = arr[valid]
     top = int(out.max(initial=-1))
@@ -65,7 +69,7 @@ def ids(name: str, x, num_tokens: int, *, int32_only: bool = False):
     return jnp.asarray(out)
 
 
-def ids_int32(name: str, x, num_tokens: int):
+def ids_int32(name: str, x, num_tokens: int | None = None):
     """`ids` narrowed to int32 for the kernels: ids that int32 cannot hold become -1."""
     x = ids(name, x, num_tokens, int32_only=True)
     if not _is_int(x) or jnp.dtype(x.dtype) == jnp.int32:

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla import reference
+from jax_sparse_mla import reference, sharding
 from tests.utils import REPO_ROOT, fresh_rng, make_case, np_quantize_kv, _random_keys
 
 V32, MODEL1 = jsm.KVFormat.V32, jsm.KVFormat.MODEL1
@@ -120,6 +121,24 @@ def test_decode_masks_wide_indices(fmt):
     # What int32 narrowing would have done: read real tokens instead.
     wrapped = jsm.sparse_mla_decode(**{**case, **{k: v.astype(np.int32) for k, v in wide.items()}})
     assert not np.array_equal(np.asarray(wrapped[1]), np.asarray(want[1]))
+
+
+def test_sharding_helpers_mask_wide_indices():
+    """shard_decode_inputs (device_put) and shard_map_decode (shard_map) convert host arrays too."""
+    devices = jax.devices("cpu")
+    if len(devices) < 2:
+        pytest.skip("needs 2 CPU devices (conftest.py asks XLA for 8)")
+    mesh = Mesh(np.asarray(devices[:2]).reshape(1, 2), ("dp", "tp"))
+    case, wide, masked = _wide_decode_case(fresh_rng(), MODEL1)
+    decode = jax.jit(jsm.sparse_mla_decode, static_argnames=("sm_scale",))
+    want = decode(**sharding.shard_decode_inputs(mesh, {**case, **masked}, head_axis="tp"))
+    got = decode(**sharding.shard_decode_inputs(mesh, {**case, **wide}, head_axis="tp"))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    mapped = sharding.shard_map_decode(mesh, head_axis="tp")
+    want = mapped(**{**case, **masked})
+    for g, w in zip(mapped(**{**case, **wide}), want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_ids_a_32_bit_jax_cannot_hold():
