@@ -26,7 +26,8 @@ CUDA_BUILT = _register()
 
 
 def build_info() -> dict:
-    """How the extension was built: jaxlib headers, CUDA handlers, archs."""
+    """How the extension was built: jaxlib headers, CUDA handlers (`cuda`), their archs. Not
+    whether a GPU is there to run them: `python -m jax_sparse_mla info` says both."""
     from jax_sparse_mla import __version__
 
     info = dict(_ext.build_info())

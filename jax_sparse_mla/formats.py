@@ -31,6 +31,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
+from jax_sparse_mla import _ints
+
 __all__ = [
     "D_V",
     "KVFormat",
@@ -452,18 +454,20 @@ def write_kv(cache, k_new, slots, fmt=None):
     """Quantize bf16 keys ``k_new [..., d_qk]`` and store them at token ``slots [...]``.
 
     A slot is ``page * page_size + offset``; slots outside ``[0, num_blocks * page_size)`` are
-    dropped. Returns the updated cache with the input's shape and dtype. The rows are scattered
-    into the existing buffer (two scatters for MODEL1: region A and region B), so under
-    ``jax.jit(..., donate_argnums=0)`` the update happens in place. When a slot appears twice
-    which of its rows lands is unspecified. ``fmt`` defaults to the format of the cache's last
-    dim.
+    dropped, at any integer width (host int64 slots are checked before JAX narrows them; inside
+    ``jax.jit`` pass int32 or enable x64, see README). Returns the updated cache with the input's
+    shape and dtype. The rows are scattered into the existing buffer (two scatters for MODEL1:
+    region A and region B), so under ``jax.jit(..., donate_argnums=0)`` the update happens in
+    place. When a slot appears twice which of its rows lands is unspecified. ``fmt`` defaults to
+    the format of the cache's last dim.
     """
     fn = "write_kv"
     cache = jnp.asarray(cache)
     fmt = _check_cache(cache.shape, cache.dtype, fmt, fn)
     dtype = cache.dtype
     k_new = jnp.asarray(k_new)
-    slots = jnp.asarray(slots)
+    nb, ps, nbytes = cache.shape[0], cache.shape[1], cache.shape[-1]
+    slots = jnp.asarray(_ints.ids(f"{fn}: slots", slots, nb * ps))
     if k_new.ndim < 1:
         raise ValueError(f"{fn}: k_new must have rank >= 1 [n, d_qk], got a scalar")
     _check_bf16(k_new, "k_new", fn)
@@ -476,7 +480,6 @@ def write_kv(cache, k_new, slots, fmt=None):
             f"got {tuple(slots.shape)}"
         )
 
-    nb, ps, nbytes = cache.shape[0], cache.shape[1], cache.shape[-1]
     if ps * nbytes >= 2**31:  # byte positions inside a page are int32
         raise ValueError(f"{fn}: cache pages must be under 2 GiB (page_size * {nbytes} bytes), got page_size={ps}")
     rows = quantize_tokens(k_new.reshape(-1, fmt.d_qk), fmt)  # [n, nbytes] uint8

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla import _checks, _ffi
+from jax_sparse_mla import _checks, _ffi, _ints
 from jax_sparse_mla.formats import D_V, KVFormat
 
 HEADS_PER_CTA = 64
@@ -142,6 +142,7 @@ def plan_decode(
 def _lengths_or_full(name: str, lengths, batch: int, full: int):
     if lengths is None:
         return jnp.full((batch,), full, jnp.int32)
+    lengths = _ints.lengths_int32(lengths, full)
     _checks.check_lengths(name, lengths, batch)
     return lengths
 
@@ -164,8 +165,10 @@ def sparse_mla_decode(
     q `[b, s_q, h_q, d_qk]` bf16 (d_qk 576: V32, 512: MODEL1);
     kv_cache `[num_blocks, page_size, bytes]` (or `[.., 1, bytes]`) uint8/int8/fp8;
     indices `[b, s_q, topk]` int32 flat token ids `page * page_size + offset`
-    (out-of-range ids are masked and never read);
-    topk_length `[b]` int32; attn_sink `[h_q]` float32;
+    (out-of-range ids are masked and never read; other integer dtypes are narrowed to int32
+    with ids int32 cannot hold masked, host int64 values before JAX would wrap them);
+    topk_length `[b]` int32 (or another integer dtype, clamped to `[0, topk]` first);
+    attn_sink `[h_q]` float32;
     extra_kv_cache / extra_indices `[b, s_q, extra_topk]` / extra_topk_length `[b]`:
     a second cache (own page size) in the same softmax;
     plan: from `plan_decode` with the same shapes and lengths (computed here if None).
@@ -198,6 +201,7 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
     fmt = KVFormat.from_d_qk(d_qk)
     cache = _checks.check_cache("kv_cache", kv_cache, fmt)
 
+    indices = _ints.ids_int32("indices", indices, cache.num_blocks * cache.page_size)
     _checks.check_dtype("indices", indices, (jnp.int32,))
     idx_shape = _checks._shape(indices)
     if len(idx_shape) != 3 or idx_shape[:2] != (b, s_q) or idx_shape[2] < 1:
@@ -227,6 +231,7 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
     else:
         extra = _checks.check_cache("extra_kv_cache", extra_kv_cache, fmt)
         extra_page_size = extra.page_size
+        extra_indices = _ints.ids_int32("extra_indices", extra_indices, extra.num_blocks * extra.page_size)
         _checks.check_dtype("extra_indices", extra_indices, (jnp.int32,))
         e_shape = _checks._shape(extra_indices)
         if len(e_shape) != 3 or e_shape[:2] != (b, s_q) or e_shape[2] < 1:

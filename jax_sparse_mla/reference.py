@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from . import _ints
 from .formats import D_V, KVFormat, _as_byte_cache, _in_range, dequantize_kv
 
 __all__ = ["dequantized_tokens", "sparse_mla_decode"]
@@ -35,7 +36,8 @@ def _gather_list(kv_cache, indices, lengths, fmt, name, b, s_q):
     """
     prefix = "" if name == "main" else "extra_"
     cache, _ = _as_byte_cache(kv_cache, fmt, "sparse_mla_decode", f"{prefix}kv_cache")
-    indices = jnp.asarray(indices)
+    num_tokens = cache.shape[0] * cache.shape[1]
+    indices = jnp.asarray(_ints.ids(f"{prefix}indices", indices, num_tokens))
     if indices.ndim != 3:
         raise ValueError(
             f"sparse_mla_decode: {prefix}indices must have rank 3 [b, s_q, {prefix}topk], "
@@ -45,11 +47,10 @@ def _gather_list(kv_cache, indices, lengths, fmt, name, b, s_q):
     _check_int(indices, f"{prefix}indices", (b, s_q, topk))
 
     tokens = dequantized_tokens(cache, fmt)
-    num_tokens = tokens.shape[0]
 
     valid = _in_range(indices, num_tokens)
     if lengths is not None:
-        lengths = jnp.asarray(lengths)
+        lengths = jnp.asarray(_ints.lengths_int32(lengths, topk))
         _check_int(lengths, f"{prefix}topk_length", (b,))
         n_used = jnp.clip(lengths.astype(jnp.int32), 0, topk)
         valid = valid & (jnp.arange(topk)[None, None, :] < n_used[:, None, None])

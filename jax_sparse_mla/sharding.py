@@ -26,8 +26,10 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_sparse_mla import _ints
 from jax_sparse_mla.ops import sparse_mla_decode
 
 __all__ = [
@@ -97,12 +99,24 @@ def output_shardings(mesh: Mesh, *, batch_axis: Axes = None, head_axis: Axes = N
     return NamedSharding(mesh, specs["out"]), NamedSharding(mesh, specs["lse"])
 
 
+def _int32_operands(kwargs: dict) -> dict:
+    """Indices and lengths as int32 with their meaning kept (`_ints`): `device_put` and
+    `shard_map` would narrow host int64 values by dropping their high bits."""
+    out = dict(kwargs)
+    for ids, lengths in (("indices", "topk_length"), ("extra_indices", "extra_topk_length")):
+        if out.get(ids) is not None:
+            out[ids] = _ints.ids_int32(ids, out[ids])
+            if out.get(lengths) is not None and np.ndim(out[ids]) > 0:  # else the op reports the shape
+                out[lengths] = _ints.lengths_int32(out[lengths], np.shape(out[ids])[-1])
+    return out
+
+
 def shard_decode_inputs(mesh: Mesh, kwargs: dict, *, batch_axis: Axes = None, head_axis: Axes = None) -> dict:
     """`kwargs` (keyword arguments of `sparse_mla_decode`) with every array placed per
     `decode_shardings`; other entries (sm_scale, None, a plan) are passed through."""
     shardings = decode_shardings(mesh, batch_axis=batch_axis, head_axis=head_axis)
     return {k: jax.device_put(v, shardings[k]) if k in shardings and v is not None else v
-            for k, v in kwargs.items()}
+            for k, v in _int32_operands(kwargs).items()}
 
 
 def shard_map_decode(mesh: Mesh, *, batch_axis: Axes = None, head_axis: Axes = None,
@@ -122,9 +136,9 @@ def shard_map_decode(mesh: Mesh, *, batch_axis: Axes = None, head_axis: Axes = N
 
     def decode(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None, extra_kv_cache=None,
                extra_indices=None, extra_topk_length=None):
-        given = dict(q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
-                     extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                     extra_topk_length=extra_topk_length)
+        given = _int32_operands(dict(q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length,
+                                     attn_sink=attn_sink, extra_kv_cache=extra_kv_cache,
+                                     extra_indices=extra_indices, extra_topk_length=extra_topk_length))
         names = [n for n in _ARGUMENTS if given[n] is not None]
 
         def local(*arrays):

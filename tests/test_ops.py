@@ -218,6 +218,52 @@ def test_build_info():
         assert info["cuda_archs"]
 
 
+def test_info_tells_build_from_gpu(monkeypatch, capsys):
+    """`python -m jax_sparse_mla info` says which CUDA archs were built apart from whether JAX
+    sees a GPU (it printed `cuda: True` on a machine without one)."""
+    from jax_sparse_mla import __main__ as cli
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    real = jsm.build_info()
+    for info in (real, {**real, "cuda": True, "cuda_archs": ["sm_90a"]}, {**real, "cuda": False, "cuda_archs": []}):
+        monkeypatch.setattr(jsm, "build_info", lambda info=info: info)
+        assert cli.main(["info"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        built = "yes, for " + ", ".join(info["cuda_archs"]) if info["cuda"] else "no"
+        assert f"CUDA handlers built: {built}" in lines, lines
+        seen = next(line for line in lines if line.startswith("GPUs JAX sees: "))
+        assert seen == "GPUs JAX sees: none" if not gpus else all(str(d) in seen for d in gpus), lines
+        if not gpus:
+            note = " (the CUDA handlers were built but JAX sees no GPU)" if info["cuda"] else ""
+            assert lines[-1] == f"decode runs on: the CPU handlers{note}", lines
+        assert not any(line.startswith("cuda:") for line in lines), lines
+    # Stand-in GPUs (any machine): an H200 runs the sm_90a handlers, an A100 does not.
+    class FakeGpu:
+        def __init__(self, i, kind, cc):
+            self.id, self.device_kind, self.compute_capability = i, kind, cc
+
+        def __str__(self):
+            return f"cuda:{self.id}"
+
+    fakes = [FakeGpu(0, "NVIDIA H200", "9.0"), FakeGpu(1, "NVIDIA A100", "8.0")]
+    monkeypatch.setattr(jax, "devices", lambda backend=None: fakes)
+    expected = {
+        True: ("GPUs JAX sees: cuda:0 (NVIDIA H200, sm_90), cuda:1 (NVIDIA A100, sm_80)",
+               "decode runs on: the CUDA handlers on 1 of 2 GPUs (the others are not sm_90a)"),
+        False: ("GPUs JAX sees: cuda:0 (NVIDIA H200, sm_90), cuda:1 (NVIDIA A100, sm_80)",
+                "decode runs on: the CPU handlers only: this build has no CUDA handlers, so a decode on the GPU fails"),
+    }
+    for built, (seen, where) in expected.items():
+        monkeypatch.setattr(jsm, "build_info", lambda built=built: {**real, "cuda": built,
+                                                                     "cuda_archs": ["sm_90a"] if built else []})
+        assert cli.main(["info"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[-2:] == [seen, where], lines
+
+
 def test_nan_in_used_slots_propagates_through_combine(request):
     """Corrupt (NaN) bytes in a slot that IS referenced give NaN, split or not: the combine
     pass must not mistake NaN pieces for empty ones."""
