@@ -3,8 +3,8 @@
 # Logs go to $OUT (the device tool brings them back); a short summary is printed last.
 #   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 # Stage `anchor` is the yardstick against FlashMLA (kernel time of both on identical inputs):
-# it needs a copy of FlashMLA's measuring harness in .anchor/ (git-ignored, carried to the device)
-# and runs .anchor/ktime.sh on $KSHAPES.
+# it needs a copy of FlashMLA's measuring harness in .anchor/ (not part of the repository; git-ignored,
+# carried to the device) and runs .anchor/ktime.sh on $KSHAPES (docs/performance.md).
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jsm_out}

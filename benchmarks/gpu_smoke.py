@@ -35,7 +35,7 @@ _reference = jax.jit(reference.sparse_mla_decode, static_argnames=("sm_scale",))
 
 
 def _bad(a, r, atol, rtol):
-    """SPEC §5 failures (mask) and the largest finite |diff|, for the table."""
+    """Tolerance failures (mask; docs/numerics.md) and the largest finite |diff|, for the table."""
     a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
     with np.errstate(invalid="ignore"):
         d = np.abs(a - r)

@@ -1,6 +1,6 @@
 """jax_sparse_mla: DeepSeek-style sparse MLA decoding on FP8 paged caches, for JAX.
 
-Public API only; see README.md and SPEC.md for the contract.
+Public API only; see README.md and docs/ for the contract.
 """
 
 __version__ = "0.1.0"

@@ -22,7 +22,8 @@ Two figures per call, for our op and for both pure-JAX paths:
 profiler fails (e.g. no CUPTI) or records no device events (the CPU backend), the device figure is
 missing and that row falls back to wall time, said in a note under the table.
 
-TFLOP/s and GB/s (SPEC §7) use `us` (device µs where measured); the ratios "x" to the two pure-JAX paths timed in the same run,
+TFLOP/s and GB/s (docs/performance.md, Cost accounting) use `us` (device µs where measured); the
+ratios "x" to the two pure-JAX paths timed in the same run,
 `reference.sparse_mla_decode` (dequantizes the whole cache) and the gather-first path a JAX user
 writes (gather -> dequantize -> einsum -> softmax -> einsum), divide device by device time when both
 have it, else wall by wall (marked "(wall)"). FlashMLA's published time on an H200 is printed
@@ -72,8 +73,8 @@ class Shape:
     extra_topk: int = 0
     extra_page: int = 64
     extra_s_k: int = 0
-    flashmla_us: float | None = None  # shared/PERF.md, H200
-    perf_xla_us: float | None = None  # shared/PERF.md, the pure-JAX path
+    flashmla_us: float | None = None  # FlashMLA's published time, H200 (docs/performance.md)
+    perf_xla_us: float | None = None  # the pure-JAX path's published time (docs/performance.md)
     label: str = ""  # the name a custom shape was asked for by (it names its page and token counts)
 
     @property
@@ -463,7 +464,7 @@ def plot(rows, path):
     pairs = [_compare(r, "xla_gather_") for r in rows]  # ours and gather-first in one measure per shape
     series = [("jax_sparse_mla", [ours for ours, _, _ in pairs]),
               ("XLA gather-first", [theirs or np.nan for _, theirs, _ in pairs]),
-              ("FlashMLA (PERF.md)", [r.get("flashmla_us") or np.nan for r in rows])]
+              ("FlashMLA (published)", [r.get("flashmla_us") or np.nan for r in rows])]
     for k, (label, vals) in enumerate(series):
         ax.bar(x + (k - 1) * 0.27, vals, 0.27, label=label)
     ax.set_xticks(x, names, rotation=60, ha="right", fontsize=7)

@@ -1,4 +1,4 @@
-"""The FP8 paged latent-cache formats of SPEC section 2, in pure (jit-able) JAX.
+"""The FP8 paged latent-cache formats (docs/formats.md), in pure (jit-able) JAX.
 
 Two formats exist, told apart by the key width ``d_qk``:
 
@@ -68,7 +68,7 @@ class _Params(NamedTuple):
 
 
 class KVFormat(enum.Enum):
-    """A cache byte format (SPEC section 2)."""
+    """A cache byte format (docs/formats.md)."""
 
     V32 = "V32"
     MODEL1 = "MODEL1"
@@ -311,7 +311,7 @@ def _pow2_from_exponent(e):
 def quantize_tokens(k, fmt=None):
     """Quantize bf16 key vectors ``[..., d_qk]`` into token rows ``[..., bytes_per_token]`` uint8.
 
-    The row is the token's bytes in logical order (SPEC section 2, "Quantizing"): for V32 exactly
+    The row is the token's bytes in logical order (docs/formats.md, "Quantizing"): for V32 exactly
     the cache layout; for MODEL1 the 576 region-A bytes followed by the 8 region-B bytes (7 scale
     exponents and a zero padding byte). ``fmt`` defaults to the format of ``k.shape[-1]``.
     """
@@ -348,7 +348,7 @@ def quantize_tokens(k, fmt=None):
 def dequantize_tokens(rows, fmt=None):
     """Token rows ``[..., bytes_per_token]`` (see :func:`quantize_tokens`) -> bf16 ``[..., d_qk]``.
 
-    ``k = bf16(float(code) * float(bf16(scale)))`` for the NoPE dims (SPEC "Dequantizing"),
+    ``k = bf16(float(code) * float(bf16(scale)))`` for the NoPE dims (docs/formats.md, "Dequantizing"),
     RoPE copied. A UE8M0 byte ``e`` is ``2 ** (e - 127)`` (255 is NaN).
     """
     fn = "dequantize_tokens"
@@ -421,7 +421,7 @@ def cache_to_rows(cache, fmt=None):
 def quantize_kv(k, fmt=None):
     """Quantize a bf16 key cache ``[num_blocks, page_size, d_qk]`` into cache bytes.
 
-    Returns uint8 ``[num_blocks, page_size, bytes_per_token]``, bit-identical to SPEC section 2
+    Returns uint8 ``[num_blocks, page_size, bytes_per_token]``, bit-identical to docs/formats.md,
     "Quantizing" (MODEL1 page-planar, padding bytes 0). ``fmt`` (a :class:`KVFormat` or
     ``"V32"``/``"MODEL1"``) defaults to the format of ``k.shape[-1]``; it must be static
     under jit.
@@ -440,7 +440,7 @@ def quantize_kv(k, fmt=None):
 
 
 def dequantize_kv(cache, fmt=None):
-    """Cache bytes -> bf16 keys ``[num_blocks, page_size, d_qk]`` (SPEC "Dequantizing").
+    """Cache bytes -> bf16 keys ``[num_blocks, page_size, d_qk]`` (docs/formats.md, "Dequantizing").
 
     ``cache`` is ``[num_blocks, page_size, bytes_per_token]`` or
     ``[num_blocks, page_size, 1, bytes_per_token]``, dtype uint8, int8 or float8_e4m3fn.

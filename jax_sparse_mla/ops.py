@@ -55,7 +55,7 @@ class DecodePlan:
     plan serves every layer of a decode step. Its arrays are ordinary JAX
     values: compute it inside the jitted step (or pass it in)."""
 
-    sched: jax.Array  # [num_parts, 8] int32, one row per worker (SPEC §6)
+    sched: jax.Array  # [num_parts, 8] int32, one row per worker (docs/schedule.md)
     num_splits: jax.Array  # [b + 1] int32, prefix sum of pieces per request
     batch: int = dataclasses.field(metadata=dict(static=True))
     topk: int = dataclasses.field(metadata=dict(static=True))
@@ -160,7 +160,7 @@ def sparse_mla_decode(
     extra_topk_length=None,
     plan: DecodePlan | None = None,
 ):
-    """Sparse MLA decode over an FP8 paged latent cache (SPEC §1-§4).
+    """Sparse MLA decode over an FP8 paged latent cache (docs/formats.md, docs/numerics.md).
 
     q `[b, s_q, h_q, d_qk]` bf16 (d_qk 576: V32, 512: MODEL1);
     kv_cache `[num_blocks, page_size, bytes]` (or `[.., 1, bytes]`) uint8/int8/fp8;

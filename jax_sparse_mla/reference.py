@@ -1,4 +1,4 @@
-"""The definition of sparse MLA decoding (SPEC sections 3-4) in plain JAX, float32 math.
+"""The definition of sparse MLA decoding (docs/numerics.md) in plain JAX, float32 math.
 
 Slow but simple: dequantize the whole cache, gather the listed tokens, softmax over them.
 Every other implementation is tested against this one.
@@ -32,7 +32,8 @@ def _check_int(x, name, shape):
 def _gather_list(kv_cache, indices, lengths, fmt, name, b, s_q):
     """Keys ``[b, s_q, n, d_qk]`` (float32) of one index list and its validity ``[b, s_q, n]``.
 
-    Invalid entries (SPEC section 3) gather a clipped, arbitrary row; callers mask them.
+    Invalid entries (docs/formats.md, "Which entries are read") gather a clipped, arbitrary
+    row; callers mask them.
     """
     prefix = "" if name == "main" else "extra_"
     cache, _ = _as_byte_cache(kv_cache, fmt, "sparse_mla_decode", f"{prefix}kv_cache")

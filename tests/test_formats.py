@@ -1,4 +1,4 @@
-"""Cache formats (SPEC section 2): quantize_kv bit for bit against an independent NumPy
+"""Cache formats (docs/formats.md): quantize_kv bit for bit against an independent NumPy
 implementation, byte layouts, dequantization, write_kv, and argument errors."""
 
 import re

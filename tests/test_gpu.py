@@ -286,7 +286,7 @@ def test_nan_in_unused_slots_never_leaks():
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 def test_nan_code_in_a_valid_entry_poisons_its_row(fmt):
-    """SPEC §2: an fp8 NaN code dequantizes to NaN; the whole (request, row) becomes NaN as in
+    """docs/formats.md: an fp8 NaN code dequantizes to NaN; the whole (request, row) becomes NaN as in
     the reference, and nothing else does."""
     case = make_case(fresh_rng(), fmt, b=2, s_q=2, h_q=16, topk=64, page_size=64, num_blocks=4, invalid_fraction=0.0,
                      duplicates=False)
@@ -324,7 +324,7 @@ def v32_scales_bound(case, ref_out, *, logit_errors=True):
     """The largest |out - ref_out| per element that the arithmetic allows on these inputs
     (`logit_errors=False`: the bound before seed=3231109967, for the emulation's comparison)."""
     # Values of 2^20-scaled tiles cancel in P V, so the relative tolerance is no yardstick for
-    # the small results: bf16 probabilities (SPEC §5) allow 2^-9 * sum_j p_j |V_j| per element
+    # the small results: bf16 probabilities (docs/numerics.md) allow 2^-9 * sum_j p_j |V_j| per element
     # (2^-8 here for the bf16 rounding of the reference itself).
     # The same scales make the logits huge: M = sm_scale * max_j sum_d |q_d K_jd| reaches ~5e5,
     # where one fp32 ulp is 0.03, and the kernel and the reference sum them in fp32 in different
@@ -363,9 +363,9 @@ def test_non_power_of_two_v32_scales():
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 def test_unscaled_make_case_data(fmt):
-    """make_case's own magnitudes (|V| up to ~9): lse within SPEC §5, out within the bound that
-    bf16 probabilities allow (2^-9 * max|V| ~ 0.018, SPEC's relative term, and SPEC's
-    whole-tensor cosine check)."""
+    """make_case's own magnitudes (|V| up to ~9): lse within the tolerances, out within the bound that
+    bf16 probabilities allow (2^-9 * max|V| ~ 0.018, the relative term, and the
+    whole-tensor cosine check; docs/numerics.md)."""
     case = _on(make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=64, topk=300, page_size=64, num_blocks=16,
                          with_lengths=True, with_sink=True), GPU)
     out, lse = _decode(**case, plan=_plan(case, num_parts=7))
@@ -382,7 +382,8 @@ def test_unscaled_make_case_data(fmt):
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 def test_gpu_agrees_with_cpu(fmt):
-    """Identical inputs and plan on the CUDA and CPU handlers: same results within SPEC §5."""
+    """Identical inputs and plan on the CUDA and CPU handlers: same results within the
+    tolerances (docs/numerics.md)."""
     case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=64, topk=200, page_size=64, num_blocks=12,
                      extra_topk=64 if fmt == MODEL1 else 0, extra_page_size=32, extra_num_blocks=4,
                      with_lengths=True, with_sink=True)

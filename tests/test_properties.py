@@ -1,5 +1,6 @@
 """Property test: on any small problem hypothesis draws (format, shapes, page sizes, lengths,
-extra cache, sink, worker count), the FFI pipeline equals the reference at SPEC tolerances."""
+extra cache, sink, worker count), the FFI pipeline equals the reference within the tolerances
+(docs/numerics.md)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,5 +1,6 @@
 """The pure-JAX reference (the definition of the op) against FlashMLA's conformance vectors and
-against an independent float64 NumPy loop, plus the corner cases of SPEC sections 3-4."""
+against an independent float64 NumPy loop, plus the corner cases of docs/numerics.md (empty rows,
+sink, masking)."""
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ def _check_against_numpy(case):
 
 
 @pytest.mark.skipif(CONFORMANCE_DIR is None,
-                    reason="no conformance vectors (../shared/conformance or tests/conformance_vectors)")
+                    reason="no conformance vectors (tests/conformance_vectors)")
 @pytest.mark.parametrize("path", conformance_files() or [None],
                          ids=lambda p: p.stem if p is not None else "none")
 def test_conformance(path):
@@ -136,7 +137,7 @@ def test_random_seeds_v32_and_model1():
 
 
 # ---------------------------------------------------------------------------------------------
-# semantics (SPEC sections 3-4)
+# semantics (docs/numerics.md; docs/formats.md, which entries are read)
 
 
 def _small(fmt=V32, **kw):

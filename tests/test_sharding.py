@@ -1,8 +1,8 @@
 """sparse_mla_decode split over heads (TP) and requests (DP) on 8 CPU host devices (see
 conftest.py), through plain jax.jit with NamedSharding inputs and inside shard_map; equal to the
-unsharded op at SPEC tolerances, and the compiled program free of collectives. The layouts of an
-n-device host (TP n, DP n, DP 2 x TP n/2; `mesh_layouts`) run on the 8 CPU devices and, marked
-multigpu, on every GPU of the machine."""
+unsharded op within the tolerances (docs/numerics.md), and the compiled program free of
+collectives (docs/sharding.md). The layouts of an n-device host (TP n, DP n, DP 2 x TP n/2;
+`mesh_layouts`) run on the 8 CPU devices and, marked multigpu, on every GPU of the machine."""
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ _reference = jax.jit(reference.sparse_mla_decode, static_argnames=("sm_scale",))
 def _unsharded_on_cpu(request):
     """Outside the multigpu tests the cases and the unsharded op live on the CPU, like the CPU
     meshes: on a GPU host the default device would compare the GPU kernel with the CPU one, whose
-    roundings differ by more than SPEC's tolerance allows (seen: ~2e-3 on a few elements)."""
+    roundings differ by more than the tolerance allows (seen: ~2e-3 on a few elements)."""
     if request.node.get_closest_marker("multigpu"):
         yield
         return

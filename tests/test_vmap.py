@@ -69,7 +69,7 @@ def test_shared_cache_mapped_requests():
 
 def test_mapped_sink_only():
     """Only attn_sink is mapped (per-element sinks, e.g. a stack of layers): the kernel gets one
-    sink row per folded request; infinite sinks and empty rows keep SPEC 4.1 / 4.3."""
+    sink row per folded request; infinite sinks and empty rows keep their rules (docs/numerics.md)."""
     rng = fresh_rng()
     case = make_case(rng, "MODEL1", b=4, **SHAPE, with_lengths=True, with_sink=True, empty_row=True,
                      sm_scale=None)

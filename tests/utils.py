@@ -1,9 +1,10 @@
-"""Shared test helpers: SPEC section 5 tolerances, conformance vectors, random cases,
+"""Shared test helpers: the tolerances (docs/numerics.md), conformance vectors, random cases,
 independent NumPy implementations of the cache formats and of the op (float64), and the
 multi-device layouts with the compiled-program check for collectives.
 
-The NumPy code here deliberately shares nothing with ``jax_sparse_mla``: it follows the SPEC
-text directly (``np.frexp`` for the power-of-two scale, ml_dtypes for the fp8/bf16 roundings).
+The NumPy code here deliberately shares nothing with ``jax_sparse_mla``: it follows
+docs/formats.md and docs/numerics.md directly (``np.frexp`` for the power-of-two scale, ml_dtypes
+for the fp8/bf16 roundings).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 # ============================================================================================
-# tolerances (SPEC section 5)
+# tolerances (docs/numerics.md, Tolerances)
 
 OUT_ATOL = 1e-3
 OUT_RTOL = 2.01 / 128
@@ -52,7 +53,7 @@ def _worst(a, r, bad, limit=5):
 
 
 def out_of_tolerance(a, r, atol, rtol):
-    """Elementwise SPEC §5 rule on float64 arrays: the mask of elements failing
+    """Elementwise tolerance rule on float64 arrays: the mask of elements failing
     ``|a-r| <= atol or <= rtol*|r|`` (infinities must match, NaN never passes)."""
     nan = np.isnan(a) | np.isnan(r)
     inf = np.isinf(a) | np.isinf(r)
@@ -80,7 +81,7 @@ def _elementwise(actual, ref, atol, rtol, what):
 
 
 def assert_out_close(actual, ref):
-    """SPEC section 5 check of ``out``: elementwise tolerance plus the whole-tensor
+    """Tolerance check of ``out``: elementwise tolerance plus the whole-tensor
     ``1 - 2*sum(a*r)/sum(a^2+r^2) < 5e-6`` (float64, over the finite elements)."""
     a, r, inf = _elementwise(actual, ref, OUT_ATOL, OUT_RTOL, "out")
     a, r = a[~inf], r[~inf]
@@ -94,23 +95,21 @@ def assert_out_close(actual, ref):
 
 
 def assert_lse_close(actual, ref):
-    """SPEC section 5 check of ``lse``: ``|a-r| <= 1e-6`` or ``<= 8.01/65536*|r|``, infinities
+    """Tolerance check of ``lse``: ``|a-r| <= 1e-6`` or ``<= 8.01/65536*|r|``, infinities
     equal, NaN fails."""
     _elementwise(actual, ref, LSE_ATOL, LSE_RTOL, "lse")
 
 
 # ============================================================================================
-# conformance vectors (SPEC section 8)
+# conformance vectors (docs/numerics.md, Conformance vectors)
 
 
 def _find_conformance_dir():
-    for cand in (REPO_ROOT.parent / "shared" / "conformance", REPO_ROOT / "tests" / "conformance_vectors"):
-        if cand.is_dir() and any(cand.glob("*.npz")):
-            return cand
-    return None
+    cand = REPO_ROOT / "tests" / "conformance_vectors"
+    return cand if cand.is_dir() and any(cand.glob("*.npz")) else None
 
 
-#: Directory of the FlashMLA conformance vectors, or None when neither location exists.
+#: Directory of the FlashMLA conformance vectors, or None when it holds none.
 CONFORMANCE_DIR = _find_conformance_dir()
 
 
@@ -177,7 +176,7 @@ def conformance_kwargs(v):
 
 
 # ============================================================================================
-# independent NumPy cache formats (SPEC section 2)
+# independent NumPy cache formats (docs/formats.md)
 
 # name: (d_qk, d_nope, tile, bytes_per_token)
 _LAYOUT = {"V32": (576, 512, 128, 656), "MODEL1": (512, 448, 64, 584)}
@@ -190,7 +189,7 @@ def fmt_name(fmt) -> str:
 
 def np_quantize_tokens(k, fmt) -> np.ndarray:
     """bf16 ``[..., d_qk]`` -> uint8 token rows ``[..., bytes]`` (MODEL1: region A bytes, then
-    the 7 scale bytes and a zero pad byte), straight from the SPEC formula."""
+    the 7 scale bytes and a zero pad byte), straight from the formula in docs/formats.md."""
     name = fmt_name(fmt)
     d_qk, d_nope, tile, nbytes = _LAYOUT[name]
     k = np.asarray(k)
@@ -276,7 +275,7 @@ def np_dequantize_kv(cache, fmt=None) -> np.ndarray:
 
 
 # ============================================================================================
-# independent float64 reference of the op (SPEC sections 3-4)
+# independent float64 reference of the op (docs/numerics.md)
 
 
 def _valid_mask(indices, lengths, num_tokens):
@@ -322,7 +321,7 @@ def np_sparse_mla_decode(q, kv_cache, indices, *, sm_scale=None, topk_length=Non
                          abs_values=False):
     """Loop-over-rows float64 implementation. Returns ``(out [b,s_q,h_q,512], lse [b,h_q,s_q])``
     as float64 NumPy arrays (``out`` not rounded to bf16). ``abs_values``: ``out`` holds
-    sum_j p_j |V_j| instead, the scale of the error that bf16 probabilities (SPEC §5) allow."""
+    sum_j p_j |V_j| instead, the scale of the error that bf16 probabilities (docs/numerics.md) allow."""
     b, s_q, h_q, _ = np.shape(q)
     out = np.zeros((b, s_q, h_q, 512))
     lse = np.full((b, h_q, s_q), np.inf)
@@ -419,7 +418,7 @@ def make_case(rng, fmt, *, b, s_q, h_q, topk, page_size, num_blocks, extra_topk=
               nan_fill=True, sm_scale="random"):
     """Fresh random keyword arguments for ``sparse_mla_decode``.
 
-    ``q`` (bf16, std 1), ``kv_cache`` (uint8, keys quantized per SPEC section 2) and ``indices``
+    ``q`` (bf16, std 1), ``kv_cache`` (uint8, keys quantized per docs/formats.md) and ``indices``
     (valid tokens, duplicates when ``duplicates``, and ``invalid_fraction`` of out-of-range values
     of every kind: -1, -2**31, num_tokens, num_tokens+7, 2**31-1). Optional keys appear only when
     used: ``topk_length`` / ``extra_topk_length`` (``with_lengths``: request 0 full, request 1
@@ -471,10 +470,10 @@ def make_case(rng, fmt, *, b, s_q, h_q, topk, page_size, num_blocks, extra_topk=
     return out
 
 
-# SPEC §5 has the GPU path round the probabilities to bf16 before P·V, as FlashMLA does. That
-# rounding moves an output element by up to about 2^-9 * sum_j p_j |V_j|, and the SPEC's absolute
+# The GPU path rounds the probabilities to bf16 before P·V, as FlashMLA does (docs/numerics.md). That
+# rounding moves an output element by up to about 2^-9 * sum_j p_j |V_j|, and the absolute
 # tolerance (1e-3) was set by FlashMLA on data with |V| around 0.1. make_case draws |V| up to ~9,
-# where exact SPEC §5 numerics (emulated in NumPy) already miss 1e-3 on ~0.3% of the elements
+# where the GPU path's exact numerics (emulated in NumPy) already miss 1e-3 on ~0.3% of the elements
 # (max |diff| ~0.015). So the comparisons below first scale every cached value by 2^-6 and q by
 # 2^6: exact in fp8 scales and bf16, same logits and softmax, FlashMLA-like |V|. The unscaled
 # data is checked too, with the bound that bf16 probabilities allow (test_gpu.py,

@@ -1,4 +1,4 @@
-// Byte layout of the two FP8 paged KV-cache formats (SPEC §2) and the scalar
+// Byte layout of the two FP8 paged KV-cache formats (docs/formats.md) and the scalar
 // dequantization rule, shared by the CPU handlers and the CUDA kernels.
 #pragma once
 
@@ -130,8 +130,8 @@ JSM_HD uint16_t load_u16_le(const uint8_t* p) {
   return static_cast<uint16_t>(p[0] | (p[1] << 8));
 }
 
-// Scale of NoPE dim `d` of a token, already rounded to bf16 (SPEC §2: the scale is
-// rounded to bf16 before the product).
+// Scale of NoPE dim `d` of a token, already rounded to bf16 (docs/formats.md, Dequantizing:
+// the scale is rounded to bf16 before the product).
 JSM_HD float nope_scale(const TokenAddress& a, KVFormat f, int d) {
   if (f == KVFormat::kV32) return round_to_bf16(load_f32_le(a.scales + 4 * (d / V32Layout::kTileDims)));
   return ue8m0_to_float(a.scales[d / Model1Layout::kTileDims]);

@@ -1,4 +1,4 @@
-// The split-KV schedule (SPEC §6): plain C++ usable on the host and on the device.
+// The split-KV schedule (docs/schedule.md): plain C++ usable on the host and on the device.
 //
 // Work is counted in blocks of 64 list entries. Request i has
 //   main_blocks(i)  = max(ceil(L_i / 64), 1)   (L_i = clamp(topk_length[i], 0, topk))

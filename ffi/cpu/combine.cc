@@ -1,4 +1,4 @@
-// CPU handler of jsm_combine: merges the pieces of every split request (SPEC §6).
+// CPU handler of jsm_combine: merges the pieces of every split request (docs/schedule.md, Combine).
 #include <cmath>
 #include <cstring>
 #include <limits>

@@ -1,5 +1,5 @@
 // jsm_combine on CUDA: merges the partial results of requests that the plan cut
-// into several pieces (SPEC §6), then applies the sink once.
+// into several pieces (docs/schedule.md, Combine), then applies the sink once.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

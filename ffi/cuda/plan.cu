@@ -1,4 +1,4 @@
-// jsm_plan on CUDA: the split-KV schedule (SPEC §6) computed on the device, so a
+// jsm_plan on CUDA: the split-KV schedule (docs/schedule.md) computed on the device, so a
 // plan depends on device-resident lengths without any host round trip.
 #include <cuda_runtime.h>
 
