@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include "common/split_plan.h"
 #include "handlers.h"
 
 namespace nb = nanobind;
@@ -45,6 +46,10 @@ NB_MODULE(_jax_sparse_mla, m) {
 #endif
     return d;
   });
+  // The batch-invariant plan's worker count is a static shape: Python sizes it from these.
+  m.attr("CHUNK_BLOCKS") = jsm::kChunkBlocks;
+  m.attr("BLOCK_ENTRIES") = jsm::kBlockEntries;
+  m.def("max_chunks", [](int topk, int extra_topk) { return jsm::max_chunks(topk, extra_topk); });
   m.def("build_info", [] {
     nb::dict d;
     d["jaxlib"] = JSM_JAXLIB_VERSION;

@@ -79,3 +79,9 @@ def check_static_float(name: str, value: Any) -> float:
 def check_lengths(name: str, lengths, batch: int) -> None:
     check_dtype(name, lengths, (jnp.int32,))
     check_shape(name, lengths, (batch,), "[b]")
+
+
+def check_static_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a Python bool (True or False), got {type(value).__name__}")
+    return value

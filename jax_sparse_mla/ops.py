@@ -60,6 +60,8 @@ class DecodePlan:
     batch: int = dataclasses.field(metadata=dict(static=True))
     topk: int = dataclasses.field(metadata=dict(static=True))
     extra_topk: int = dataclasses.field(metadata=dict(static=True))
+    # Made by plan_decode(batch_invariant=True): one worker per fixed chunk of each request.
+    batch_invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def num_parts(self) -> int:
@@ -81,6 +83,7 @@ def plan_decode(
     extra_topk_length=None,
     num_parts: int | None = None,
     config: DecodeConfig | None = None,
+    batch_invariant: bool = False,
 ) -> DecodePlan:
     """Plans the split-KV schedule of `sparse_mla_decode`.
 
@@ -92,7 +95,14 @@ def plan_decode(
     `num_parts`: the number of workers. Default: `default_num_parts(s_q, h_q)`,
     fitted on CUDA to the SM count of the GPU that runs it. An explicit value is
     used as is (useful to force many small pieces).
+
+    `batch_invariant`: every request is cut into fixed chunks of its own blocks, one
+    worker each, so its `out`/`lse` do not depend on the other requests, the batch
+    size, `num_parts` or the sharding (README "Reproducibility"). The worker count is
+    then `b * max_chunks` (the chunks of a request of full `topk` + `extra_topk`); a
+    larger `num_parts` only adds empty workers.
     """
+    _checks.check_static_bool("batch_invariant", batch_invariant)
     q_shape, idx_shape = _checks._shape(q), _checks._shape(indices)
     if len(q_shape) != 4:
         raise ValueError(f"q: expected shape [b, s_q, h_q, d_qk], got {q_shape}")
@@ -111,8 +121,10 @@ def plan_decode(
         extra_topk = e_shape[2]
     elif extra_topk_length is not None:
         raise ValueError("extra_topk_length: given without extra_indices")
-    fit = num_parts is None
-    if num_parts is None:
+    fit = num_parts is None and not batch_invariant
+    if batch_invariant:
+        num_parts = _invariant_num_parts(b, topk, extra_topk, num_parts)
+    elif num_parts is None:
         num_parts = default_num_parts(s_q, h_q, config)
     if not isinstance(num_parts, (int, np.integer)) or not 1 <= num_parts <= MAX_NUM_PARTS:
         raise ValueError(f"num_parts: expected an int in [1, {MAX_NUM_PARTS}], got {num_parts!r}")
@@ -135,8 +147,28 @@ def plan_decode(
         num_parts=np.int64(num_parts),
         fit_to_device=bool(fit),
         parts_divisor=np.int64(s_q * math.ceil(h_q / HEADS_PER_CTA)),
+        batch_invariant=batch_invariant,
     )
-    return DecodePlan(sched=sched, num_splits=num_splits, batch=b, topk=topk, extra_topk=extra_topk)
+    return DecodePlan(sched=sched, num_splits=num_splits, batch=b, topk=topk, extra_topk=extra_topk,
+                      batch_invariant=batch_invariant)
+
+
+def _invariant_num_parts(b: int, topk: int, extra_topk: int, num_parts) -> int:
+    """The worker count of a batch-invariant plan: one per chunk of every request, or the
+    caller's `num_parts` if that is larger."""
+    chunks = _ffi.max_chunks(topk, extra_topk)
+    need = b * chunks
+    if need > MAX_NUM_PARTS:
+        raise ValueError(
+            f"batch_invariant: b={b} requests of up to {chunks} chunks need {need} workers, more than "
+            f"{MAX_NUM_PARTS}; decode fewer requests per call")
+    if num_parts is None:
+        return need
+    if isinstance(num_parts, (int, np.integer)) and num_parts < need:
+        raise ValueError(
+            f"num_parts: a batch-invariant plan has one worker per chunk of {_ffi.CHUNK_BLOCKS} blocks, "
+            f"b * {chunks} = {need} here; expected num_parts >= {need} (or None), got {num_parts}")
+    return num_parts
 
 
 def _lengths_or_full(name: str, lengths, batch: int, full: int):
@@ -159,6 +191,7 @@ def sparse_mla_decode(
     extra_indices=None,
     extra_topk_length=None,
     plan: DecodePlan | None = None,
+    batch_invariant: bool = False,
 ):
     """Sparse MLA decode over an FP8 paged latent cache (docs/formats.md, docs/numerics.md).
 
@@ -171,7 +204,9 @@ def sparse_mla_decode(
     attn_sink `[h_q]` float32;
     extra_kv_cache / extra_indices `[b, s_q, extra_topk]` / extra_topk_length `[b]`:
     a second cache (own page size) in the same softmax;
-    plan: from `plan_decode` with the same shapes and lengths (computed here if None).
+    plan: from `plan_decode` with the same shapes and lengths (computed here if None);
+    batch_invariant: plan (or expect a plan made) with `plan_decode(batch_invariant=True)`:
+    each request's results then depend on its own inputs alone (README "Reproducibility").
 
     Returns `out` `[b, s_q, h_q, 512]` bf16 and `lse` `[b, h_q, s_q]` float32.
 
@@ -182,12 +217,12 @@ def sparse_mla_decode(
     kept while only heads are split, and re-made per shard once requests are split.
     """
     args = _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
-                    extra_topk_length, plan)
+                    extra_topk_length, plan, batch_invariant)
     return _transformable_decode(args, user_plan=plan is not None)
 
 
 def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
-             extra_topk_length, plan):
+             extra_topk_length, plan, batch_invariant):
     """Validates every operand and fills the optional ones with neutral values."""
     _checks.check_dtype("q", q, (jnp.bfloat16,))
     q_shape = _checks._shape(q)
@@ -240,15 +275,16 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
     extra_topk = _checks._shape(extra_indices)[2]
     extra_lengths = _lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
 
+    _checks.check_static_bool("batch_invariant", batch_invariant)
     if plan is not None:  # None: the decode core plans for the shapes it runs on (per shard, per fold)
-        _check_plan(plan, b, topk, extra_topk)
+        _check_plan(plan, b, topk, extra_topk, batch_invariant)
     return dict(q=q, kv_cache=kv_cache, indices=indices, topk_length=lengths, extra_kv_cache=extra_kv_cache,
                 extra_indices=extra_indices, extra_topk_length=extra_lengths, attn_sink=attn_sink, plan=plan,
                 sm_scale=float(scale), fmt=fmt, page_size=cache.page_size, extra_page_size=extra_page_size,
-                has_sink=has_sink)
+                has_sink=has_sink, batch_invariant=batch_invariant)
 
 
-def _check_plan(plan, b: int, topk: int, extra_topk: int) -> None:
+def _check_plan(plan, b: int, topk: int, extra_topk: int, batch_invariant: bool) -> None:
     if not isinstance(plan, DecodePlan):
         raise TypeError(f"plan: expected a DecodePlan from plan_decode, got {type(plan).__name__}")
     got = (plan.batch, plan.topk, plan.extra_topk)
@@ -258,6 +294,10 @@ def _check_plan(plan, b: int, topk: int, extra_topk: int) -> None:
             "plan with the same indices shapes and lengths")
     if _checks._shape(plan.num_splits) != (b + 1,):
         raise ValueError(f"plan.num_splits: expected shape ({b + 1},), got {_checks._shape(plan.num_splits)}")
+    if plan.batch_invariant != batch_invariant:
+        raise ValueError(
+            f"plan: made with batch_invariant={plan.batch_invariant}, but this call has "
+            f"batch_invariant={batch_invariant}; pass the same batch_invariant to plan_decode and sparse_mla_decode")
 
 
 def _decode(*, q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, extra_topk_length, attn_sink, plan,
@@ -320,6 +360,8 @@ class _Static:
     # The worker count of a plan the caller passed (its arrays are then core operands);
     # None: the core plans for the shapes it sees (per shard, per folded batch).
     plan_parts: int | None
+    # Plans (passed or re-made per shard / folded batch) are batch-invariant ones.
+    batch_invariant: bool
 
 
 def _rank3(cache):
@@ -336,7 +378,7 @@ def _transformable_decode(args: dict, *, user_plan: bool):
         sm_scale=float(args["sm_scale"]), fmt=args["fmt"], page_size=int(args["page_size"]),
         extra_page_size=int(args["extra_page_size"]), has_sink=bool(args["has_sink"]),
         has_extra=_checks._shape(args["extra_indices"])[2] > 0, sink_per_request=False,
-        plan_parts=plan.num_parts if user_plan else None)
+        plan_parts=plan.num_parts if user_plan else None, batch_invariant=args["batch_invariant"])
     ops = [args[name] for name in _CORE_OPERANDS]
     ops[1], ops[4] = _rank3(ops[1]), _rank3(ops[4])
     if user_plan:
@@ -347,10 +389,12 @@ def _transformable_decode(args: dict, *, user_plan: bool):
 
 
 def _plan_for(static: _Static, q, indices, topk_length, extra_indices, extra_topk_length) -> DecodePlan:
+    # A batch-invariant plan's worker count follows the batch it is re-made for.
     return plan_decode(q, indices, topk_length=topk_length,
                        extra_indices=extra_indices if static.has_extra else None,
                        extra_topk_length=extra_topk_length if static.has_extra else None,
-                       num_parts=static.plan_parts)
+                       num_parts=None if static.batch_invariant else static.plan_parts,
+                       batch_invariant=static.batch_invariant)
 
 
 def _local_decode(static: _Static, ops, *, replan: bool):
@@ -358,7 +402,7 @@ def _local_decode(static: _Static, ops, *, replan: bool):
     q, kv, idx, tl, ekv, eidx, etl, sink = ops[:8]
     if len(ops) == 10 and not replan:
         plan = DecodePlan(sched=ops[8], num_splits=ops[9], batch=int(q.shape[0]), topk=int(idx.shape[2]),
-                          extra_topk=int(eidx.shape[2]))
+                          extra_topk=int(eidx.shape[2]), batch_invariant=static.batch_invariant)
     else:
         plan = _plan_for(static, q, idx, tl, eidx, etl)
     return _decode(q=q, kv_cache=kv, indices=idx, topk_length=tl, extra_kv_cache=ekv, extra_indices=eidx,

@@ -19,6 +19,8 @@ fold stacks the caches, which the rule keeps replicated).
 Plans: a `DecodePlan` describes the requests it was made for. Under plain jit a passed plan is
 kept while only heads are split; once requests are split each shard plans its own requests
 (the passed plan's worker count is kept). The shard_map helpers always plan per device.
+With `batch_invariant=True` (a plan of that mode, or the keyword of `sparse_mla_decode` and of
+the shard_map helpers' functions) every layout gives each request the same bits as one device.
 """
 
 from __future__ import annotations
@@ -135,14 +137,14 @@ def shard_map_decode(mesh: Mesh, *, batch_axis: Axes = None, head_axis: Axes = N
     specs = _specs(mesh, batch_axis, head_axis, cache_axis)
 
     def decode(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None, extra_kv_cache=None,
-               extra_indices=None, extra_topk_length=None):
+               extra_indices=None, extra_topk_length=None, batch_invariant=False):
         given = _int32_operands(dict(q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length,
                                      attn_sink=attn_sink, extra_kv_cache=extra_kv_cache,
                                      extra_indices=extra_indices, extra_topk_length=extra_topk_length))
         names = [n for n in _ARGUMENTS if given[n] is not None]
 
         def local(*arrays):
-            return sparse_mla_decode(**dict(zip(names, arrays)), sm_scale=sm_scale)
+            return sparse_mla_decode(**dict(zip(names, arrays)), sm_scale=sm_scale, batch_invariant=batch_invariant)
 
         mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs[n] for n in names),
                                out_specs=(specs["out"], specs["lse"]))

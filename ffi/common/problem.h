@@ -20,10 +20,11 @@ namespace ffi = xla::ffi;
 // ---- bindings (operand order is the contract with jax_sparse_mla/ops.py) ----
 
 // jsm_plan(topk_length[b] i32, extra_topk_length[b] i32)
-//   attrs: topk, extra_topk, num_parts, fit_to_device (bool), parts_divisor
+//   attrs: topk, extra_topk, num_parts, fit_to_device (bool), parts_divisor, batch_invariant (bool)
 //   -> sched[num_parts, 8] i32, num_splits[b + 1] i32
 // With fit_to_device, the CUDA handler uses min(num_parts, max(SMs / parts_divisor, 1))
 // workers and leaves the rest empty; the CPU handler always uses num_parts.
+// batch_invariant: the chunked plan of split_plan.h (fit_to_device must then be false).
 template <typename B>
 auto bind_plan(B b) {
   return std::move(b)
@@ -34,6 +35,7 @@ auto bind_plan(B b) {
       .template Attr<int64_t>("num_parts")
       .template Attr<bool>("fit_to_device")
       .template Attr<int64_t>("parts_divisor")
+      .template Attr<bool>("batch_invariant")
       .template Ret<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::Buffer<ffi::S32>>();
 }
@@ -162,6 +164,23 @@ ffi::Error check_sink(const Buf& sink, int64_t b, int64_t h, int64_t* stride) {
     ffi::Error jsm_err_ = (expr);           \
     if (jsm_err_.failure()) return jsm_err_; \
   } while (0)
+
+// The plan attributes both plan handlers accept; a batch-invariant plan needs a worker for
+// every chunk of every request.
+inline ffi::Error check_plan_attrs(int64_t batch, int64_t topk, int64_t extra_topk, int64_t num_parts,
+                                   bool fit_to_device, bool batch_invariant) {
+  if (batch < 1) return invalid("plan: batch must be >= 1, got " + std::to_string(batch));
+  if (num_parts < 1) return invalid("plan: num_parts must be >= 1, got " + std::to_string(num_parts));
+  if (topk < 1) return invalid("plan: topk must be >= 1, got " + std::to_string(topk));
+  if (extra_topk < 0) return invalid("plan: extra_topk must be >= 0, got " + std::to_string(extra_topk));
+  if (!batch_invariant) return ffi::Error::Success();
+  if (fit_to_device) return invalid("plan: a batch-invariant plan cannot be fitted to the device");
+  const int64_t need = batch * max_chunks(static_cast<int>(topk), static_cast<int>(extra_topk));
+  if (num_parts < need)
+    return invalid("plan: a batch-invariant plan needs num_parts >= b * max_chunks(topk, extra_topk) = " +
+                   std::to_string(need) + ", got " + std::to_string(num_parts));
+  return ffi::Error::Success();
+}
 
 inline ffi::Error make_decode_problem(
     ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> topk_length,

@@ -19,6 +19,13 @@
 //   num_splits[b + 1]: prefix sum of the number of pieces per request.
 //     A request with one piece writes out/lse directly; a request with several
 //     writes piece p to partial slot num_splits[r] + p (< b + num_parts).
+//
+// Batch-invariant plans (build_invariant_plan) cut request i into chunks of
+// kChunkBlocks blocks instead: chunk k is blocks [k * C, min((k + 1) * C, blocks(i))),
+// one worker row each, in request order, and the rows past the last chunk are empty.
+// A request's pieces (hence its rounding, and the combine's merge order) then depend
+// on its own lengths alone, not on its batch-mates, the batch size or num_parts.
+// Such a plan needs num_parts >= batch * max_chunks(topk, extra_topk).
 #pragma once
 
 #include <cstdint>
@@ -52,6 +59,26 @@ JSM_HD int main_blocks(int main_len) {
 
 JSM_HD int extra_blocks(int extra_len) { return ceil_div(extra_len, kBlockEntries); }
 
+// Blocks per chunk of a batch-invariant plan: the cost of every piece (its partial written
+// and merged, a CTA started) against balance when few requests fill the GPU. At 16 blocks
+// (1024 entries) a DeepSeek-V3.2 request (top-k 2048, 32 blocks) is two chunks, so b = 64
+// already gives 128 equal CTAs (h_q 64, s_q 1; more with more heads or query rows), a
+// full wave on 132 SMs; 32 would leave half the SMs idle there, 8 would double the
+// partials for little better balance. At b = 1 any fixed size leaves most SMs idle.
+constexpr int kChunkBlocks = 16;
+
+JSM_HD int chunks_of(int blocks) { return ceil_div(blocks, kChunkBlocks); }
+
+// Chunks of the longest request a call with these list sizes can hold.
+JSM_HD int max_chunks(int topk, int extra_topk) { return chunks_of(main_blocks(topk) + extra_blocks(extra_topk)); }
+
+// A worker with nothing to do.
+JSM_HD void set_empty_worker(int32_t* row, int batch) {
+  for (int k = 0; k < kSchedFields; ++k) row[k] = 0;
+  row[kBeginReq] = batch;
+  row[kEndReq] = batch - 1;
+}
+
 // The list entries one block covers: a range of the main or of the extra list.
 struct BlockSpan {
   bool extra;  // false: main list, true: extra list
@@ -82,12 +109,11 @@ JSM_HD void build_split_plan(int batch, int num_parts, BlocksOf blocks_of, int32
   num_splits[0] = 0;
   for (int w = 0; w < num_parts; ++w) {
     int32_t* row = sched + w * kSchedFields;
-    for (int k = 0; k < kSchedFields; ++k) row[k] = 0;
-    if (req >= batch) {  // nothing left: an empty worker
-      row[kBeginReq] = batch;
-      row[kEndReq] = batch - 1;
+    if (req >= batch) {  // nothing left
+      set_empty_worker(row, batch);
       continue;
     }
+    for (int k = 0; k < kSchedFields; ++k) row[k] = 0;
     row[kBeginReq] = req;
     row[kBeginBlock] = block;
     row[kBeginSplit] = piece;
@@ -120,6 +146,42 @@ JSM_HD void build_split_plan(int batch, int num_parts, BlocksOf blocks_of, int32
     row[kEndReq] = end_req;
     row[kEndBlock] = end_block;
     row[kIsLastSplit] = end_block == blocks_of(end_req);
+  }
+}
+
+// The batch-invariant plan (see the top of this file). The caller checks that
+// num_parts >= batch * max_chunks(topk, extra_topk); `blocks_of` as in build_split_plan.
+template <typename BlocksOf>
+JSM_HD void build_invariant_plan(int batch, int num_parts, BlocksOf blocks_of, int32_t* sched, int32_t* num_splits) {
+  int w = 0;
+  num_splits[0] = 0;
+  for (int r = 0; r < batch; ++r) {
+    const int blocks = blocks_of(r), chunks = chunks_of(blocks);
+    for (int k = 0; k < chunks; ++k, ++w) {
+      int32_t* row = sched + static_cast<int64_t>(w) * kSchedFields;
+      const int end = (k + 1) * kChunkBlocks;
+      row[kBeginReq] = r;
+      row[kEndReq] = r;
+      row[kBeginBlock] = k * kChunkBlocks;
+      row[kEndBlock] = end < blocks ? end : blocks;
+      row[kBeginSplit] = k;
+      row[kIsFirstSplit] = k == 0;
+      row[kIsLastSplit] = k == chunks - 1;
+      row[7] = 0;
+    }
+    num_splits[r + 1] = num_splits[r] + chunks;
+  }
+  for (; w < num_parts; ++w) set_empty_worker(sched + static_cast<int64_t>(w) * kSchedFields, batch);
+}
+
+// The plan of either mode (batch_invariant: build_invariant_plan, else build_split_plan).
+template <typename BlocksOf>
+JSM_HD void build_plan(bool batch_invariant, int batch, int num_parts, BlocksOf blocks_of, int32_t* sched,
+                       int32_t* num_splits) {
+  if (batch_invariant) {
+    build_invariant_plan(batch, num_parts, blocks_of, sched, num_splits);
+  } else {
+    build_split_plan(batch, num_parts, blocks_of, sched, num_splits);
   }
 }
 

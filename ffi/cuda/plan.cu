@@ -20,6 +20,7 @@ constexpr int kPlanSmemRequests = 12 * 1024;
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const int32_t* __restrict__ topk_length,
                                                             const int32_t* __restrict__ extra_topk_length, int batch,
                                                             int topk, int extra_topk, int num_parts, int used_parts,
+                                                            bool batch_invariant,
                                                             int32_t* __restrict__ sched,
                                                             int32_t* __restrict__ num_splits) {
   extern __shared__ int32_t blocks_smem[];
@@ -32,31 +33,28 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const int32_t* __res
   }
   // Workers beyond the device-fitted count stay empty.
   for (int w = used_parts + static_cast<int>(threadIdx.x); w < num_parts; w += blockDim.x) {
-    int32_t* row = sched + static_cast<int64_t>(w) * kSchedFields;
-    for (int k = 0; k < kSchedFields; ++k) row[k] = 0;
-    row[kBeginReq] = batch;
-    row[kEndReq] = batch - 1;
+    set_empty_worker(sched + static_cast<int64_t>(w) * kSchedFields, batch);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     if (staged) {
-      build_split_plan(batch, used_parts, [&](int i) { return static_cast<int>(blocks_smem[i]); }, sched, num_splits);
+      build_plan(batch_invariant, batch, used_parts, [&](int i) { return static_cast<int>(blocks_smem[i]); }, sched,
+                 num_splits);
     } else {
-      build_split_plan(batch, used_parts, blocks_from_global, sched, num_splits);
+      build_plan(batch_invariant, batch, used_parts, blocks_from_global, sched, num_splits);
     }
   }
 }
 
 ffi::Error plan_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::S32> extra_topk_length,
                      int64_t topk, int64_t extra_topk, int64_t num_parts, bool fit_to_device, int64_t parts_divisor,
-                     ffi::Result<ffi::Buffer<ffi::S32>> sched, ffi::Result<ffi::Buffer<ffi::S32>> num_splits) {
+                     bool batch_invariant, ffi::Result<ffi::Buffer<ffi::S32>> sched,
+                     ffi::Result<ffi::Buffer<ffi::S32>> num_splits) {
   auto td = topk_length.dimensions();
   if (td.size() != 1) return invalid("plan: topk_length must have rank 1, got " + dims_str(td));
   const int64_t batch = td[0];
+  JSM_RETURN_IF_ERROR(check_plan_attrs(batch, topk, extra_topk, num_parts, fit_to_device, batch_invariant));
   JSM_RETURN_IF_ERROR(expect_dims("extra_topk_length", extra_topk_length, {batch}));
-  if (num_parts < 1) return invalid("plan: num_parts must be >= 1, got " + std::to_string(num_parts));
-  if (topk < 1) return invalid("plan: topk must be >= 1, got " + std::to_string(topk));
-  if (extra_topk < 0) return invalid("plan: extra_topk must be >= 0, got " + std::to_string(extra_topk));
   JSM_RETURN_IF_ERROR(expect_dims("sched", *sched, {num_parts, kSchedFields}));
   JSM_RETURN_IF_ERROR(expect_dims("num_splits", *num_splits, {batch + 1}));
   int64_t used = num_parts;
@@ -72,7 +70,7 @@ ffi::Error plan_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_length, ffi
   plan_kernel<<<1, kPlanThreads, smem, stream>>>(topk_length.typed_data(), extra_topk_length.typed_data(),
                                                  static_cast<int>(batch), static_cast<int>(topk),
                                                  static_cast<int>(extra_topk), static_cast<int>(num_parts),
-                                                 static_cast<int>(used), sched->typed_data(),
+                                                 static_cast<int>(used), batch_invariant, sched->typed_data(),
                                                  num_splits->typed_data());
   return check_launch("plan_kernel");
 }
