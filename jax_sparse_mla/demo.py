@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("V32", "MODEL1"), default="V32", help="FP8 cache format")
     p.add_argument("--sink", action="store_true", help="per-head attention sink")
     p.add_argument("--window", type=_at_least(0), default=0, help="sliding window kept in the extra cache (0: off)")
+    p.add_argument("--batch-invariant", action="store_true", help="batch-invariant attention: each request's result "
+                                                                  "independent of the other requests and the layout")
     p.add_argument("--dim", type=_at_least(1), default=256, help="hidden size")
     p.add_argument("--vocab", type=_at_least(2), default=1024, help="vocabulary size")
     p.add_argument("--page-size", type=_at_least(1), default=64, help="tokens per cache page")
@@ -166,7 +168,8 @@ def run(args: argparse.Namespace) -> dict:
     per_request = NamedSharding(mesh, P("dp"))
 
     attn = MLAConfig(dim=args.dim, n_heads=args.heads, index_topk=args.topk, fmt=args.format,
-                     attn_sink=args.sink, window=args.window, page_size=args.page_size)
+                     attn_sink=args.sink, window=args.window, page_size=args.page_size,
+                     batch_invariant=args.batch_invariant)
     config = ModelConfig(vocab=args.vocab, n_layers=args.layers, attention=attn)
     b, total = args.batch, args.context + args.steps
     model = DecoderModel(config, rngs=nnx.Rngs(args.seed))
@@ -254,7 +257,8 @@ def run(args: argparse.Namespace) -> dict:
 
     @jax.jit
     def attention_only(kv_caches, window_caches, op_args):
-        return [jsm.sparse_mla_decode(kv_cache=kv, sm_scale=attn.softmax_scale, extra_kv_cache=window, **op_args)[0]
+        return [jsm.sparse_mla_decode(kv_cache=kv, sm_scale=attn.softmax_scale, extra_kv_cache=window,
+                                      batch_invariant=args.batch_invariant, **op_args)[0]
                 for kv, window in zip(kv_caches, window_caches)]
 
     kv_caches = [c.kv for c in caches]
@@ -272,6 +276,7 @@ def run(args: argparse.Namespace) -> dict:
     op_requests, op_heads = _op_shape(hlo)
     stats = dict(
         platform=platform, devices=n_dev, dp=args.dp, tp=args.tp, batch=b, layers=args.layers, heads=args.heads,
+        batch_invariant=args.batch_invariant,
         cache=f"{fmt.name} FP8 paged, page {args.page_size}, top-k {args.topk}, "
               f"{args.context} + {args.steps} tokens per request",
         tokens_per_s=b / step_time, step_ms=step_time * 1e3,
@@ -309,7 +314,8 @@ def _rows(stats: dict) -> list[tuple[str, str]]:
                                     f"{stats['op_heads_per_device']} heads"),
         ("decode step", f"{stats['step_ms']:.2f} ms"),
         ("tokens/s", f"{stats['tokens_per_s']:.1f}"),
-        ("attention op", f"{stats['attention_ms']:.3f} ms/step ({100 * stats['attention_share']:.1f}% of the step)"),
+        ("attention op", f"{stats['attention_ms']:.3f} ms/step ({100 * stats['attention_share']:.1f}% of the step)"
+                         + (", batch-invariant" if stats["batch_invariant"] else "")),
         ("attention op, one device's share alone", f"{stats['attention_per_device_ms']:.3f} ms/step"),
         (f"vs dense attention (first {stats['checked_steps']} steps)",
          f"max rel. logit error {stats['max_rel_logit_error']:.2e}, argmax agreement "

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_sparse_mla import _checks
 from jax_sparse_mla import indexer as fp8_indexer
 from jax_sparse_mla.formats import D_V, KVFormat, dequantize_kv, write_kv
 from jax_sparse_mla.ops import sparse_mla_decode
@@ -82,8 +83,11 @@ class MLAConfig:
     indexer: str = "fp8"  # "fp8": DeepSeek's Hadamard + FP8 indexer; "exact": float32 / bf16
     index_scale_fmt: str | None = "ue8m0"  # FP8 indexer scales: powers of two, or None: float
     tp_axis: str = "tp"
+    # Each request's attention independent of its batch-mates (sparse_mla_decode's batch_invariant).
+    batch_invariant: bool = False
 
     def __post_init__(self):
+        _checks.check_static_bool("MLAConfig.batch_invariant", self.batch_invariant)
         object.__setattr__(self, "rope_scaling", YarnScaling.from_config(self.rope_scaling))
         if self.indexer not in INDEXERS:
             raise ValueError(f"MLAConfig.indexer must be one of {INDEXERS}, got {self.indexer!r}")
@@ -332,7 +336,8 @@ class MLAAttention(nnx.Module):
             if c.window:
                 extra = dict(extra_kv_cache=window_kv, extra_indices=window_indices(c, pos))
             o, _ = sparse_mla_decode(q, kv, indices, sm_scale=c.softmax_scale, topk_length=topk_length,
-                                     attn_sink=None if self.sink is None else self.sink[...], **extra)
+                                     attn_sink=None if self.sink is None else self.sink[...],
+                                     batch_invariant=c.batch_invariant, **extra)
             o = o.astype(jnp.float32)
         o = jnp.einsum("bshc,hcv->bshv", o, self.w_uv[...])
         y = self.wo(o.reshape(b, s, c.n_heads * c.v_head_dim))

@@ -19,8 +19,9 @@ fold stacks the caches, which the rule keeps replicated).
 Plans: a `DecodePlan` describes the requests it was made for. Under plain jit a passed plan is
 kept while only heads are split; once requests are split each shard plans its own requests
 (the passed plan's worker count is kept). The shard_map helpers always plan per device.
-With `batch_invariant=True` (a plan of that mode, or the keyword of `sparse_mla_decode` and of
-the shard_map helpers' functions) every layout gives each request the same bits as one device.
+With `batch_invariant=True` (the keyword of `sparse_mla_decode` and of the functions the shard_map
+helpers return) a request gets the same bits in every layout as on one device (README
+"Reproducibility"; on GPUs a head split is not yet verified).
 """
 
 from __future__ import annotations

@@ -49,6 +49,14 @@ def test_demo_v32():
     _check(_run(), 8)
 
 
+def test_demo_batch_invariant():
+    """--batch-invariant: every plan of the step is a batch-invariant one."""
+    stats = _run("--batch-invariant", "--window", "4")
+    _check(stats, 8)
+    plans = [line for line in stats["step_hlo"].splitlines() if 'custom_call_target="jsm_plan"' in line]
+    assert stats["batch_invariant"] and plans and all("batch_invariant = true" in line for line in plans)
+
+
 def test_demo_model1_sink_window_tp3():
     """TP 3 over 6 heads: 3 does not divide the MLP size (512), which stays replicated."""
     if len(_devices()) < 3:
@@ -110,7 +118,8 @@ def test_cli_help():
     assert top.returncode == 0 and "demo" in top.stdout and "bench" in top.stdout
     helped = _cli("demo", "--help")
     assert helped.returncode == 0
-    for flag in ("--layers", "--heads", "--batch", "--steps", "--context", "--tp", "--dp", "--vs-one-device"):
+    for flag in ("--layers", "--heads", "--batch", "--steps", "--context", "--tp", "--dp", "--vs-one-device",
+                 "--batch-invariant"):
         assert flag in helped.stdout
     assert _cli("nonsense").returncode == 2
 

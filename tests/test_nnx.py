@@ -70,6 +70,24 @@ def test_model1_with_window_equals_dense_mla():
     assert _decode_steps(config, steps=6) < 8 + 6
 
 
+def test_batch_invariant_layer():
+    """MLAConfig.batch_invariant reaches the op: its plan has one worker per chunk (3 requests of
+    one chunk: 3 workers, not the CPU default's 8) and the layer still equals dense attention."""
+    config = jnnx.MLAConfig(**SMALL, index_topk=16, attn_sink=True, batch_invariant=True)
+    assert _decode_steps(config, steps=2) < 16
+    layer = jnnx.MLAAttention(config, rngs=nnx.Rngs(0))
+    table, num_blocks = jnnx.make_block_table(3, 32, config.page_size)
+    cache = jnnx.init_layer_cache(config, num_blocks, 3)
+    x = jnp.zeros((3, 1, config.dim), jnp.float32)
+    graphdef, state = nnx.split(layer)
+    hlo = jax.jit(lambda state, *a: nnx.merge(graphdef, state)(*a)).lower(
+        state, x, cache, jnp.zeros((3,), jnp.int32), table).compile().as_text()
+    plans = [line for line in hlo.splitlines() if 'custom_call_target="jsm_plan"' in line]
+    assert plans and all("(s32[3,8]" in line and "batch_invariant = true" in line for line in plans), plans
+    with pytest.raises(TypeError, match="MLAConfig.batch_invariant: expected a Python bool"):
+        jnnx.MLAConfig(batch_invariant="yes")
+
+
 def test_indexer_limits_attention_beyond_topk():
     """With more context than top-k the layer attends to top-k tokens only (not dense)."""
     config = jnnx.MLAConfig(**SMALL, index_topk=4)
