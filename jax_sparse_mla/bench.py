@@ -341,29 +341,33 @@ def _sets_for(shape: Shape) -> int:
 
 
 def run_shape(shape: Shape, iters: int = 20, xla: bool = True, reference_path: bool = True,
-              trace_dir: str | None = None) -> dict:
+              trace_dir: str | None = None, batch_invariant: bool = False) -> dict:
     """Times one shape (wall and device time, see the module docstring). The profiler's traces go
-    under `trace_dir`/<shape>/ when given (kept), else into a temporary directory (removed)."""
+    under `trace_dir`/<shape>/ when given (kept), else into a temporary directory (removed).
+    `batch_invariant`: our op with the batch-invariant plan (README "Reproducibility")."""
     if trace_dir is not None:
-        return _run_shape(shape, iters, xla, reference_path, os.path.join(trace_dir, shape.name), keep=True)
+        return _run_shape(shape, iters, xla, reference_path, os.path.join(trace_dir, shape.name), keep=True,
+                          batch_invariant=batch_invariant)
     with tempfile.TemporaryDirectory(prefix="jsm_bench_trace_") as tmp:
-        return _run_shape(shape, iters, xla, reference_path, tmp, keep=False)
+        return _run_shape(shape, iters, xla, reference_path, tmp, keep=False, batch_invariant=batch_invariant)
 
 
-def _run_shape(shape: Shape, iters: int, xla: bool, reference_path: bool, trace_dir: str, keep: bool) -> dict:
+def _run_shape(shape: Shape, iters: int, xla: bool, reference_path: bool, trace_dir: str, keep: bool,
+               batch_invariant: bool) -> dict:
     # One input set per call: XLA merges calls with identical operands (they are pure).
     sets = max(_sets_for(shape), CALLS_PER_TIMING)
     inp = make_inputs(shape, sets)
     fmt = KVFormat.coerce(shape.fmt)
     sm_scale = fmt.d_qk ** -0.5
     extra = shape.extra_topk > 0
-    plan = jax.jit(lambda q, i, e: ops.plan_decode(q, i, extra_indices=e))(
+    plan = jax.jit(lambda q, i, e: ops.plan_decode(q, i, extra_indices=e, batch_invariant=batch_invariant))(
         inp.qs[0], inp.idxs[0], inp.extra_idxs[0] if extra else None)
     jax.block_until_ready(plan)
 
     def one(q, idx, eidx, kv, ekv, sink, plan):
         kw = dict(extra_kv_cache=ekv, extra_indices=eidx) if extra else {}
-        return ops.sparse_mla_decode(q, kv, idx, sm_scale=sm_scale, attn_sink=sink, plan=plan, **kw)
+        return ops.sparse_mla_decode(q, kv, idx, sm_scale=sm_scale, attn_sink=sink, plan=plan,
+                                     batch_invariant=batch_invariant, **kw)
 
     calls = sets
 
@@ -381,7 +385,8 @@ def _run_shape(shape: Shape, iters: int, xla: bool, reference_path: bool, trace_
     flop, nbytes = cost(shape, inp.distinct_tokens)
     row = dict(shape=shape.name, fmt=shape.fmt, h_q=shape.h_q, s_q=shape.s_q, b=shape.b, topk=shape.topk,
                extra_topk=shape.extra_topk, **timing, tflops=flop / us * 1e-6, gbs=nbytes / us * 1e-3,
-               flashmla_us=shape.flashmla_us, perf_xla_us=shape.perf_xla_us, sets=sets, trace=trace)
+               flashmla_us=shape.flashmla_us, perf_xla_us=shape.perf_xla_us, sets=sets, trace=trace,
+               batch_invariant=batch_invariant)
 
     def measure_xla(prefix, fn, args, calls):
         try:
@@ -503,6 +508,8 @@ def main(argv=None):
                     help="keep the profiler's Perfetto traces under DIR/<shape>/ (by default they go to a "
                          "temporary directory, removed) and print our op's device span, busy, idle and "
                          "per-kernel µs per call")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="time our op with the batch-invariant plan (README 'Reproducibility')")
     ap.add_argument("--list", action="store_true", help="list the presets and exit")
     ap.add_argument("--allow-cpu", action="store_true",
                     help="run even without a GPU (the presets then take minutes and time the C++ CPU path)")
@@ -525,7 +532,7 @@ def main(argv=None):
     with _progress(len(shapes)) as advance:
         for shape in shapes:
             row = run_shape(shape, iters=args.iters, xla=not args.no_xla, reference_path=not args.no_reference,
-                            trace_dir=args.trace)
+                            trace_dir=args.trace, batch_invariant=args.batch_invariant)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
             if args.trace:

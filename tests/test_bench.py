@@ -42,6 +42,12 @@ def test_tiny_shape_runs(shape):
     assert len(_table_line(bench.table([row]), shape.name)) == 11
 
 
+def test_batch_invariant_runs():
+    row = bench.run_shape(bench.Shape("V32", 16, 1, 2, 64, page=16, s_k=256), iters=1, xla=False,
+                          reference_path=False, batch_invariant=True)
+    assert row["batch_invariant"] is True and row["us"] > 0
+
+
 def test_refuses_cpu_without_flag(capsys):
     if jax.default_backend() != "cpu":
         pytest.skip("a GPU is present")

@@ -18,6 +18,7 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla import reference
+from tests import test_batch_invariant as inv
 from tests.utils import (
     fresh_rng,
     OUT_ATOL,
@@ -537,6 +538,45 @@ def test_nan_in_used_slot_propagates_through_combine():
         out, lse = _decode(**case, plan=_plan(case, num_parts))
         assert np.all(np.isnan(np.asarray(lse))), num_parts
         assert np.all(np.isnan(_np(out))), num_parts
+
+
+# ---- batch-invariant mode (README "Reproducibility"; the CPU checks: test_batch_invariant.py) -------
+
+@pytest.mark.parametrize("fmt", [V32, MODEL1])
+def test_batch_invariant_alone_equals_large_batch(fmt):
+    """h_q 128: alone a request's two chunks run in 2-CTA clusters; in a batch of 64 (512 CTAs,
+    more than are resident at once) on single CTAs. Its bits must not change, nor in a permuted
+    batch or with more workers; and the mode is as accurate as the default one."""
+    rng = fresh_rng()
+    case = _on(inv._pool(rng, fmt, b=64, h_q=128), GPU)
+    alone = inv._alone(case)
+    for rows, what in ((np.arange(64), "batch of 64"), (rng.permutation(64), "permuted")):
+        inv._assert_rows(inv._run(inv._rows(case, rows)), alone, rows, what)
+    inv._assert_rows(inv._run(case, plan=inv._plan(case, num_parts=300)), alone, range(64), "300 workers")
+    small = _on(soften(inv._rows(case, np.arange(4))), GPU)
+    out, lse = inv._run(small)
+    ref_out, ref_lse = _reference(**small)
+    assert_out_close(_np(out), _np(ref_out))
+    assert_lse_close(np.asarray(lse), np.asarray(ref_lse))
+
+
+@pytest.mark.parametrize("fmt", [V32, MODEL1])
+def test_batch_invariant_heads_agree_per_head(fmt):
+    """Every block of 16, 32 or 64 heads decoded on its own equals those heads of the 128-head
+    call, bit for bit (then tensor-parallel shards keep the guarantee; README)."""
+    case = _on(inv._pool(fresh_rng(), fmt, b=4, h_q=128), GPU)
+    out, lse = inv._run(case)
+    for h in (16, 32, 64):
+        for h0 in range(0, 128, h):
+            part = dict(case, q=case["q"][:, :, h0:h0 + h], attn_sink=case["attn_sink"][h0:h0 + h])
+            inv._assert_same(inv._run(part), (out[:, :, h0:h0 + h], lse[:, h0:h0 + h]), f"heads {h0}:{h0 + h}")
+
+
+def test_batch_invariant_plan_matches_cpu_plan():
+    case = inv._pool(fresh_rng(), "V32", b=37)
+    plans = [inv._plan(_on(case, d), num_parts=100) for d in (GPU, jax.devices("cpu")[0])]
+    np.testing.assert_array_equal(np.asarray(plans[0].sched), np.asarray(plans[1].sched))
+    np.testing.assert_array_equal(np.asarray(plans[0].num_splits), np.asarray(plans[1].num_splits))
 
 
 # ---- one large case -----------------------------------------------------------------------
