@@ -6,7 +6,7 @@ Public API only; see README.md and docs/ for the contract.
 __version__ = "0.1.0"
 
 from jax_sparse_mla._ffi import TARGETS as EXPORT_CUSTOM_CALL_TARGETS
-from jax_sparse_mla._ffi import build_info
+from jax_sparse_mla import _ffi
 from jax_sparse_mla.formats import KVFormat, dequantize_kv, quantize_kv, write_kv
 from jax_sparse_mla.ops import (
     DecodeConfig,
@@ -16,6 +16,15 @@ from jax_sparse_mla.ops import (
     plan_decode,
     sparse_mla_decode,
 )
+
+
+
+def build_info() -> dict:
+    """How the extension was built: jaxlib headers, CUDA handlers (`cuda`), their archs, and this
+    package's version. Not whether a GPU is there to run them: `python -m jax_sparse_mla info`
+    says both."""
+    return {**_ffi.extension_build_info(), "version": __version__}
+
 
 __all__ = [
     "EXPORT_CUSTOM_CALL_TARGETS",

@@ -15,14 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_sparse_mla._kernel import plan_for
+from jax_sparse_mla._operands import DecodeOperands, DecodeStatic
 from jax_sparse_mla._partitioning import partitionable
-from jax_sparse_mla.ops import _plan_for, _Static
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @functools.lru_cache(maxsize=None)
-def batchable(static: _Static):
+def batchable(static: DecodeStatic):
     @jax.custom_batching.custom_vmap
     def decode(*ops):
         return partitionable(static)(*ops)
@@ -50,37 +51,26 @@ def _stack_caches(cache, indices, n: int, name: str):
     return cache.reshape(n * blocks, *cache.shape[2:]), indices
 
 
-def _fold_batch(static: _Static, n: int, in_batched, ops):
+def _fold_batch(static: DecodeStatic, n: int, in_batched, ops):
     """vmap rule: every mapped dim folds into the request batch, one decode runs, and the
     results unfold. A mapped cache is supported by stacking the n caches into one (see
     `_stack_caches`); a mapped attn_sink becomes one sink row per folded request."""
-    ops = list(ops)
-    batched = list(in_batched)
-    if not any(batched[:8]):
+    ops = DecodeOperands(*ops)
+    batched = DecodeOperands(*in_batched)._replace(sched=False, num_splits=False)
+    if not any(batched):
         # Only the plan is mapped: one unmapped decode serves every element.
-        ops = ops[:8]
+        ops = ops._replace(sched=None, num_splits=None)
         if static.plan_parts is not None:
-            plan = _plan_for(static, ops[0], ops[2], ops[3], ops[5], ops[6])
-            ops += [plan.sched, plan.num_splits]
-        return batchable(static)(*ops), (False, False)
-
-    q, kv, idx, tl, ekv, eidx, etl, sink = ops[:8]
-    b_q, b_kv, b_idx, b_tl, b_ekv, b_eidx, b_etl, b_sink = batched[:8]
+            plan = plan_for(static, ops)
+            ops = ops._replace(sched=plan.sched, num_splits=plan.num_splits)
+        return batchable(static)(*ops.given()), (False, False)
 
     def per_element(x, is_batched):
         return x if is_batched else jnp.broadcast_to(x, (n, *x.shape))
 
-    q, idx, tl, eidx, etl = (per_element(x, bt) for x, bt in
-                             ((q, b_q), (idx, b_idx), (tl, b_tl), (eidx, b_eidx), (etl, b_etl)))
-    if b_kv:
-        kv, idx = _stack_caches(kv, idx, n, "kv_cache")
-    if b_ekv:
-        if static.has_extra:
-            ekv, eidx = _stack_caches(ekv, eidx, n, "extra_kv_cache")
-        else:  # the neutral placeholder; nothing reads it
-            ekv = ekv[0]
-
-    b = int(q.shape[1])
+    per_request = {name: per_element(getattr(ops, name), getattr(batched, name))
+                   for name in ("q", "indices", "topk_length", "extra_indices", "extra_topk_length")}
+    b = int(per_request["q"].shape[1])
 
     # Request-major ([n, b] -> [b, n] -> [b*n]): a batch dim split over devices (data
     # parallel) stays a contiguous split of the folded batch, so no all-gather is needed.
@@ -90,16 +80,25 @@ def _fold_batch(static: _Static, n: int, in_batched, ops):
     def unfold(x):
         return jnp.swapaxes(x.reshape(b, n, *x.shape[1:]), 0, 1)
 
-    q, idx, tl, eidx, etl = (fold(x) for x in (q, idx, tl, eidx, etl))
-    inner = static
+    kv, ekv = ops.kv_cache, ops.extra_kv_cache
+    if batched.kv_cache:
+        kv, per_request["indices"] = _stack_caches(kv, per_request["indices"], n, "kv_cache")
+    if batched.extra_kv_cache:
+        if static.has_extra:
+            ekv, per_request["extra_indices"] = _stack_caches(ekv, per_request["extra_indices"], n, "extra_kv_cache")
+        else:  # the neutral placeholder; nothing reads it
+            ekv = ekv[0]
+
+    sink, inner = ops.attn_sink, static
     if static.sink_per_request:  # already [b, h_q]: folds like q
-        sink = fold(per_element(sink, b_sink))
-    elif b_sink:  # [n, h_q] -> one row per folded request
+        sink = fold(per_element(sink, batched.attn_sink))
+    elif batched.attn_sink:  # [n, h_q] -> one row per folded request
         inner = dataclasses.replace(static, sink_per_request=True)
         sink = jnp.tile(sink, (b, 1))  # folded row j * n + i is element i's
-    folded = [q, kv, idx, tl, ekv, eidx, etl, sink]
+    folded = DecodeOperands(**{name: fold(x) for name, x in per_request.items()}, kv_cache=kv, extra_kv_cache=ekv,
+                            attn_sink=sink)
     if static.plan_parts is not None:
-        plan = _plan_for(static, q, idx, tl, eidx, etl)
-        folded += [plan.sched, plan.num_splits]
-    out, lse = batchable(inner)(*folded)
+        plan = plan_for(static, folded)
+        folded = folded._replace(sched=plan.sched, num_splits=plan.num_splits)
+    out, lse = batchable(inner)(*folded.given())
     return (unfold(out), unfold(lse)), (True, True)

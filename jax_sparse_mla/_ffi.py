@@ -29,12 +29,8 @@ def _register() -> bool:
 CUDA_BUILT = _register()
 
 
-def build_info() -> dict:
-    """How the extension was built: jaxlib headers, CUDA handlers (`cuda`), their archs. Not
-    whether a GPU is there to run them: `python -m jax_sparse_mla info` says both."""
-    from jax_sparse_mla import __version__
-
+def extension_build_info() -> dict:
+    """How the extension was built: jaxlib headers, CUDA handlers (`cuda`), their archs."""
     info = dict(_ext.build_info())
-    info["version"] = __version__
     info["cuda_archs"] = list(info["cuda_archs"])
     return info

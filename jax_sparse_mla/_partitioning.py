@@ -11,35 +11,36 @@ import functools
 import math
 
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
-from jax_sparse_mla.ops import _local_decode, _Static
+from jax_sparse_mla._kernel import local_decode
+from jax_sparse_mla._operands import (HEADS, REQUESTS, RESULT_FACTORS, RESULTS, DecodeOperands, DecodeStatic,
+                                      partition_spec)
 
-# Shardy rule: b (requests) and h (heads) may be split; every other factor stays replicated.
-_RULE_OPERANDS = "b s h d, n p c, b s k, b, m r e, b s j, b, "  # + the sink's factors
-_RULE_PLAN = ", w f, t"
-_RULE_RESULTS = "b s h v, b h s"
-_SPLIT_FACTORS = ("b", "h")
+
+def _rule(static: DecodeStatic) -> str:
+    """The Shardy rule of this call, from the operands' and results' factors."""
+    operands = ", ".join(f for f in static.factors() if f is not None)
+    return operands + " -> " + ", ".join(RESULT_FACTORS[name] for name in RESULTS)
 
 
 def _replicated_factors(rule: str) -> tuple:
-    """Every factor but b and h, in order of first appearance (Shardy wants them sorted)."""
+    """Every factor but the request and head ones, in order of first appearance (Shardy wants
+    them sorted)."""
     seen = []
     for ch in rule:
         if ch.isalpha() and ch not in seen:
             seen.append(ch)
-    return tuple(f for f in seen if f not in _SPLIT_FACTORS)
+    return tuple(f for f in seen if f not in (REQUESTS, HEADS))
 
 
 @functools.lru_cache(maxsize=None)
-def partitionable(static: _Static):
+def partitionable(static: DecodeStatic):
     def decode(*ops):
-        return _local_decode(static, ops, replan=False)
+        return local_decode(static, DecodeOperands(*ops), replan=False)
 
     wrapped = custom_partitioning(decode)
-    with_plan = static.plan_parts is not None
-    sink = "b h" if static.sink_per_request else "h"
-    rule = _RULE_OPERANDS + sink + (_RULE_PLAN if with_plan else "") + " -> " + _RULE_RESULTS
+    rule = _rule(static)
     wrapped.def_partition(
         partition=functools.partial(_partition, static),
         infer_sharding_from_operands=functools.partial(_infer_shardings, static),
@@ -68,50 +69,46 @@ def _split_axes(mesh, size: int, *candidates) -> tuple:
     return ()
 
 
-def _entry(axes: tuple):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+def _choose_split(static: DecodeStatic, mesh, arg_shapes, result_shapes):
+    args, out = DecodeOperands(*arg_shapes), result_shapes[0]
+    b, _, h, _ = args.q.shape
+    factors = static.factors()
 
+    def axes_of(operand: str, factor: str) -> tuple:
+        return _spec_axes(getattr(args, operand).sharding, getattr(factors, operand).split().index(factor))
 
-def _choose_split(static: _Static, mesh, arg_shapes, result_shapes):
-    q, out, sink = arg_shapes[0], result_shapes[0], arg_shapes[7]
-    b, _, h, _ = q.shape
-    sink_h = 1 if static.sink_per_request else 0
-    b_axes = _split_axes(mesh, b, _spec_axes(q.sharding, 0), _spec_axes(out.sharding, 0),
-                         _spec_axes(arg_shapes[2].sharding, 0))
-    h_axes = _split_axes(mesh, h, _spec_axes(q.sharding, 2), _spec_axes(out.sharding, 2),
-                         _spec_axes(sink.sharding, sink_h))
+    b_axes = _split_axes(mesh, b, axes_of("q", REQUESTS), _spec_axes(out.sharding, 0), axes_of("indices", REQUESTS))
+    h_axes = _split_axes(mesh, h, axes_of("q", HEADS), _spec_axes(out.sharding, 2), axes_of("attn_sink", HEADS))
     if set(h_axes) & set(b_axes):
         h_axes = ()
     return b_axes, h_axes
 
 
-def _shardings(static: _Static, mesh, b_axes, h_axes):
-    bb, hh = _entry(b_axes), _entry(h_axes)
+def _shardings(static: DecodeStatic, mesh, b_axes, h_axes):
+    """Operand and result shardings: request factors over `b_axes`, head factors over `h_axes`,
+    every other factor replicated."""
+    axes = {REQUESTS: b_axes, HEADS: h_axes}
 
-    def ns(*spec):
-        return NamedSharding(mesh, PartitionSpec(*spec))
+    def ns(factors: str):
+        return NamedSharding(mesh, partition_spec(factors, axes))
 
-    sink = ns(bb, hh) if static.sink_per_request else ns(hh)
-    args = [ns(bb, None, hh, None), ns(), ns(bb, None, None), ns(bb), ns(), ns(bb, None, None), ns(bb), sink]
-    if static.plan_parts is not None:
-        args += [ns(), ns()]
-    results = (ns(bb, None, hh, None), ns(bb, hh, None))
-    return tuple(args), results
+    args = tuple(ns(f) for f in static.factors() if f is not None)
+    return args, tuple(ns(RESULT_FACTORS[name]) for name in RESULTS)
 
 
-def _partition(static: _Static, mesh, arg_shapes, result_shape):
+def _partition(static: DecodeStatic, mesh, arg_shapes, result_shape):
     b_axes, h_axes = _choose_split(static, mesh, arg_shapes, result_shape)
     arg_shardings, result_shardings = _shardings(static, mesh, b_axes, h_axes)
 
     # A plan covers the requests it was made for: with the batch split each shard plans its
     # own requests. A head split keeps a passed plan (any plan for these requests is valid).
     def lower(*ops):
-        return _local_decode(static, ops, replan=bool(b_axes))
+        return local_decode(static, DecodeOperands(*ops), replan=bool(b_axes))
 
     return mesh, lower, result_shardings, arg_shardings
 
 
-def _infer_shardings(static: _Static, mesh, arg_shapes, result_shape):
+def _infer_shardings(static: DecodeStatic, mesh, arg_shapes, result_shape):
     """Result shardings for the GSPMD partitioner (`jax_use_shardy_partitioner` off)."""
     b_axes, h_axes = _choose_split(static, mesh, arg_shapes, result_shape)
     return _shardings(static, mesh, b_axes, h_axes)[1]

@@ -33,6 +33,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_sparse_mla import _ints
+from jax_sparse_mla._operands import (CACHE_BLOCKS, FACTORS, HEADS, REQUESTS, RESULT_FACTORS, USER_OPERANDS,
+                                      partition_spec)
 from jax_sparse_mla.ops import sparse_mla_decode
 
 __all__ = [
@@ -45,9 +47,6 @@ __all__ = [
 
 Axes = str | Sequence[str] | None
 
-_ARGUMENTS = ("q", "kv_cache", "indices", "topk_length", "attn_sink", "extra_kv_cache", "extra_indices",
-              "extra_topk_length")
-
 
 def _axes(mesh: Mesh, axes: Axes, what: str) -> tuple:
     if axes is None:
@@ -57,10 +56,6 @@ def _axes(mesh: Mesh, axes: Axes, what: str) -> tuple:
         if name not in mesh.shape:
             raise ValueError(f"{what}: {name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     return names
-
-
-def _entry(axes: tuple):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _specs(mesh: Mesh, batch_axis: Axes, head_axis: Axes, cache_axis: Axes = None) -> dict:
@@ -73,19 +68,9 @@ def _specs(mesh: Mesh, batch_axis: Axes, head_axis: Axes, cache_axis: Axes = Non
         raise ValueError(
             f"cache_axis {c}: a cache split over blocks needs its requests split the same way "
             f"(batch_axis {b}); each device's requests address its own pool")
-    bb, hh, cc = _entry(b), _entry(h), _entry(c)
-    return {
-        "q": PartitionSpec(bb, None, hh, None),
-        "kv_cache": PartitionSpec(cc),
-        "indices": PartitionSpec(bb),
-        "topk_length": PartitionSpec(bb),
-        "attn_sink": PartitionSpec(hh),
-        "extra_kv_cache": PartitionSpec(cc),
-        "extra_indices": PartitionSpec(bb),
-        "extra_topk_length": PartitionSpec(bb),
-        "out": PartitionSpec(bb, None, hh, None),
-        "lse": PartitionSpec(bb, hh, None),
-    }
+    axes = {REQUESTS: b, HEADS: h, **{f: c for f in CACHE_BLOCKS}}
+    factors = {**{name: getattr(FACTORS, name) for name in USER_OPERANDS}, **RESULT_FACTORS}
+    return {name: partition_spec(f, axes) for name, f in factors.items()}
 
 
 def decode_shardings(mesh: Mesh, *, batch_axis: Axes = None, head_axis: Axes = None) -> dict:
@@ -93,7 +78,7 @@ def decode_shardings(mesh: Mesh, *, batch_axis: Axes = None, head_axis: Axes = N
     running it under plain `jax.jit`: requests split over `batch_axis`, heads over `head_axis`
     (either may be None), both caches replicated."""
     specs = _specs(mesh, batch_axis, head_axis)
-    return {name: NamedSharding(mesh, specs[name]) for name in _ARGUMENTS}
+    return {name: NamedSharding(mesh, specs[name]) for name in USER_OPERANDS}
 
 
 def output_shardings(mesh: Mesh, *, batch_axis: Axes = None, head_axis: Axes = None):
@@ -142,7 +127,7 @@ def shard_map_decode(mesh: Mesh, *, batch_axis: Axes = None, head_axis: Axes = N
         given = _int32_operands(dict(q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length,
                                      attn_sink=attn_sink, extra_kv_cache=extra_kv_cache,
                                      extra_indices=extra_indices, extra_topk_length=extra_topk_length))
-        names = [n for n in _ARGUMENTS if given[n] is not None]
+        names = [n for n in USER_OPERANDS if given[n] is not None]
 
         def local(*arrays):
             return sparse_mla_decode(**dict(zip(names, arrays)), sm_scale=sm_scale, batch_invariant=batch_invariant)

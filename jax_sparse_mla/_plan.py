@@ -1,0 +1,177 @@
+"""The split-KV plan: `plan_decode` (the `jsm_plan` FFI call) and the `DecodePlan` it returns.
+
+A plan depends only on shapes and the length arrays, so one plan serves every layer of a decode
+step (docs/schedule.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sparse_mla import _checks, _ffi, _ints
+
+HEADS_PER_CTA = 64
+# More workers than this only adds empty partial-buffer rows ([b + num_parts, s_q, h_q, 512] f32).
+MAX_NUM_PARTS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static facts the schedule is sized from.
+
+    `num_sms` bounds the worker count; on CUDA the handler lowers it to what the
+    GPU running the call actually has, so no device is queried while tracing.
+    132 is the H100/H200 SXM count; no Hopper part has more.
+    """
+
+    num_sms: int = 132
+
+
+CPU_WORKERS = 8
+
+
+@functools.cache
+def default_config() -> DecodeConfig:
+    """The config used when none is given, fixed once at first use from JAX's
+    default backend. GPUs get 132 SMs (the CUDA handler fits it to the GPU). The
+    CPU handler runs workers one after another, so a few keep the fp32 partial
+    buffers `[b + workers, ...]` small while still exercising the combine pass."""
+    return DecodeConfig(num_sms=132 if jax.default_backend() in ("gpu", "cuda") else CPU_WORKERS)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """A split-KV schedule. Depends only on shapes and the length arrays, so one
+    plan serves every layer of a decode step. Its arrays are ordinary JAX
+    values: compute it inside the jitted step (or pass it in)."""
+
+    sched: jax.Array  # [num_parts, 8] int32, one row per worker (docs/schedule.md)
+    num_splits: jax.Array  # [b + 1] int32, prefix sum of pieces per request
+    batch: int = dataclasses.field(metadata=dict(static=True))
+    topk: int = dataclasses.field(metadata=dict(static=True))
+    extra_topk: int = dataclasses.field(metadata=dict(static=True))
+    # Made by plan_decode(batch_invariant=True): one worker per fixed chunk of each request.
+    batch_invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @property
+    def num_parts(self) -> int:
+        return int(self.sched.shape[0])
+
+
+def default_num_parts(s_q: int, h_q: int, config: DecodeConfig | None = None) -> int:
+    """FlashMLA's worker count: SMs / s_q / (head groups of 64), at least 1."""
+    config = config or default_config()
+    return max(config.num_sms // s_q // math.ceil(h_q / HEADS_PER_CTA), 1)
+
+
+def plan_decode(
+    q,
+    indices,
+    *,
+    topk_length=None,
+    extra_indices=None,
+    extra_topk_length=None,
+    num_parts: int | None = None,
+    config: DecodeConfig | None = None,
+    batch_invariant: bool = False,
+) -> DecodePlan:
+    """Plans the split-KV schedule of `sparse_mla_decode`.
+
+    Only the shapes of `q` `[b, s_q, h_q, d_qk]`, `indices` `[b, s_q, topk]` and
+    `extra_indices` `[b, s_q, extra_topk]` are used (arrays or
+    `jax.ShapeDtypeStruct`s), plus the values of the optional `[b]` int32 length
+    arrays. Pass the same lengths to `sparse_mla_decode`.
+
+    `num_parts`: the number of workers. Default: `default_num_parts(s_q, h_q)`,
+    fitted on CUDA to the SM count of the GPU that runs it. An explicit value is
+    used as is (useful to force many small pieces).
+
+    `batch_invariant`: every request is cut into fixed chunks of its own blocks, one
+    worker each, so its `out`/`lse` do not depend on the other requests, the batch
+    size, `num_parts` or the sharding (README "Reproducibility"). The worker count is
+    then `b * max_chunks` (the chunks of a request of full `topk` + `extra_topk`); a
+    larger `num_parts` only adds empty workers.
+    """
+    _checks.check_static_bool("batch_invariant", batch_invariant)
+    q_shape, idx_shape = _checks._shape(q), _checks._shape(indices)
+    if len(q_shape) != 4:
+        raise ValueError(f"q: expected shape [b, s_q, h_q, d_qk], got {q_shape}")
+    b, s_q, h_q, _ = q_shape
+    if min(b, s_q, h_q) < 1:
+        raise ValueError(f"q: b, s_q and h_q must be >= 1, got shape {q_shape}")
+    if len(idx_shape) != 3 or idx_shape[:2] != (b, s_q) or idx_shape[2] < 1:
+        raise ValueError(f"indices: expected shape [b, s_q, topk] = ({b}, {s_q}, topk >= 1), got {idx_shape}")
+    topk = idx_shape[2]
+    extra_topk = 0
+    if extra_indices is not None:
+        e_shape = _checks._shape(extra_indices)
+        if len(e_shape) != 3 or e_shape[:2] != (b, s_q) or e_shape[2] < 1:
+            raise ValueError(
+                f"extra_indices: expected shape [b, s_q, extra_topk] = ({b}, {s_q}, extra_topk >= 1), got {e_shape}")
+        extra_topk = e_shape[2]
+    elif extra_topk_length is not None:
+        raise ValueError("extra_topk_length: given without extra_indices")
+    fit = num_parts is None and not batch_invariant
+    if batch_invariant:
+        num_parts = _invariant_num_parts(b, topk, extra_topk, num_parts)
+    elif num_parts is None:
+        num_parts = default_num_parts(s_q, h_q, config)
+    if not isinstance(num_parts, (int, np.integer)) or not 1 <= num_parts <= MAX_NUM_PARTS:
+        raise ValueError(f"num_parts: expected an int in [1, {MAX_NUM_PARTS}], got {num_parts!r}")
+    lengths = _lengths_or_full("topk_length", topk_length, b, topk)
+    extra_lengths = _lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
+    sched, num_splits = jax.ffi.ffi_call(
+        _ffi.PLAN_TARGET,
+        (
+            jax.ShapeDtypeStruct((int(num_parts), 8), jnp.int32),
+            jax.ShapeDtypeStruct((b + 1,), jnp.int32),
+        ),
+        # Under vmap every mapped element gets its own plan (a loop over tiny calls);
+        # sparse_mla_decode under vmap plans the folded batch itself.
+        vmap_method="sequential",
+    )(
+        lengths,
+        extra_lengths,
+        topk=np.int64(topk),
+        extra_topk=np.int64(extra_topk),
+        num_parts=np.int64(num_parts),
+        fit_to_device=bool(fit),
+        parts_divisor=np.int64(s_q * math.ceil(h_q / HEADS_PER_CTA)),
+        batch_invariant=batch_invariant,
+    )
+    return DecodePlan(sched=sched, num_splits=num_splits, batch=b, topk=topk, extra_topk=extra_topk,
+                      batch_invariant=batch_invariant)
+
+
+def _invariant_num_parts(b: int, topk: int, extra_topk: int, num_parts) -> int:
+    """The worker count of a batch-invariant plan: one per chunk of every request, or the
+    caller's `num_parts` if that is larger."""
+    chunks = _ffi.max_chunks(topk, extra_topk)
+    need = b * chunks
+    if need > MAX_NUM_PARTS:
+        raise ValueError(
+            f"batch_invariant: b={b} requests of up to {chunks} chunks need {need} workers, more than "
+            f"{MAX_NUM_PARTS}; decode fewer requests per call")
+    if num_parts is None:
+        return need
+    if isinstance(num_parts, (int, np.integer)) and num_parts < need:
+        raise ValueError(
+            f"num_parts: a batch-invariant plan has one worker per chunk of {_ffi.CHUNK_BLOCKS} blocks, "
+            f"b * {chunks} = {need} here; expected num_parts >= {need} (or None), got {num_parts}")
+    return num_parts
+
+
+def _lengths_or_full(name: str, lengths, batch: int, full: int):
+    if lengths is None:
+        return jnp.full((batch,), full, jnp.int32)
+    lengths = _ints.lengths_int32(lengths, full)
+    _checks.check_lengths(name, lengths, batch)
+    return lengths
+
