@@ -13,9 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla.formats import KVFormat
-
-CACHE_DTYPES = (jnp.uint8, jnp.int8, jnp.float8_e4m3fn)
+from jax_sparse_mla.formats import CACHE_DTYPES, KVFormat
 
 
 def _shape(x) -> tuple:
@@ -34,6 +32,24 @@ def check_shape(name: str, x, expected: tuple, meaning: str) -> None:
     got = _shape(x)
     if got != tuple(expected):
         raise ValueError(f"{name}: expected shape {meaning} = {tuple(expected)}, got {got}")
+
+
+def check_q_shape(q) -> tuple:
+    """q's shape `(b, s_q, h_q, d_qk)`, with b, s_q and h_q at least 1."""
+    shape = _shape(q)
+    if len(shape) != 4:
+        raise ValueError(f"q: expected shape [b, s_q, h_q, d_qk], got {shape}")
+    if min(shape[:3]) < 1:
+        raise ValueError(f"q: b, s_q and h_q must be >= 1, got shape {shape}")
+    return shape
+
+
+def check_ids_shape(name: str, ids, b: int, s_q: int, width: str) -> int:
+    """The width (`topk` or `extra_topk`) of an `[b, s_q, width]` index list, at least 1."""
+    shape = _shape(ids)
+    if len(shape) != 3 or shape[:2] != (b, s_q) or shape[2] < 1:
+        raise ValueError(f"{name}: expected shape [b, s_q, {width}] = ({b}, {s_q}, {width} >= 1), got {shape}")
+    return shape[2]
 
 
 @dataclasses.dataclass(frozen=True)

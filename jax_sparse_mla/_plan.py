@@ -100,22 +100,11 @@ def plan_decode(
     larger `num_parts` only adds empty workers.
     """
     _checks.check_static_bool("batch_invariant", batch_invariant)
-    q_shape, idx_shape = _checks._shape(q), _checks._shape(indices)
-    if len(q_shape) != 4:
-        raise ValueError(f"q: expected shape [b, s_q, h_q, d_qk], got {q_shape}")
-    b, s_q, h_q, _ = q_shape
-    if min(b, s_q, h_q) < 1:
-        raise ValueError(f"q: b, s_q and h_q must be >= 1, got shape {q_shape}")
-    if len(idx_shape) != 3 or idx_shape[:2] != (b, s_q) or idx_shape[2] < 1:
-        raise ValueError(f"indices: expected shape [b, s_q, topk] = ({b}, {s_q}, topk >= 1), got {idx_shape}")
-    topk = idx_shape[2]
+    b, s_q, h_q, _ = _checks.check_q_shape(q)
+    topk = _checks.check_ids_shape("indices", indices, b, s_q, "topk")
     extra_topk = 0
     if extra_indices is not None:
-        e_shape = _checks._shape(extra_indices)
-        if len(e_shape) != 3 or e_shape[:2] != (b, s_q) or e_shape[2] < 1:
-            raise ValueError(
-                f"extra_indices: expected shape [b, s_q, extra_topk] = ({b}, {s_q}, extra_topk >= 1), got {e_shape}")
-        extra_topk = e_shape[2]
+        extra_topk = _checks.check_ids_shape("extra_indices", extra_indices, b, s_q, "extra_topk")
     elif extra_topk_length is not None:
         raise ValueError("extra_topk_length: given without extra_indices")
     fit = num_parts is None and not batch_invariant

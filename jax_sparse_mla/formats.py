@@ -54,7 +54,8 @@ _MODEL1_DATA_BYTES = 576
 #: Width of one MODEL1 region-B token record (7 scale bytes + 1 padding byte).
 _MODEL1_SCALE_BYTES = 8
 
-_CACHE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+#: Dtypes a cache's raw bytes may have (the same bytes read as uint8).
+CACHE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 class _Params(NamedTuple):
@@ -195,7 +196,7 @@ def _check_cache(shape, dtype, fmt, fn: str, name: str = "cache") -> KVFormat:
     """Validate a cache's shape and dtype; return its format (``fmt`` or inferred)."""
     dt = jnp.dtype(dtype)
     shape = tuple(shape)
-    if dt not in _CACHE_DTYPES:
+    if dt not in CACHE_DTYPES:
         raise TypeError(
             f"{fn}: {name} must have dtype uint8, int8 or float8_e4m3fn (raw cache bytes), "
             f"got {dt.name}"
@@ -220,6 +221,13 @@ def _check_cache(shape, dtype, fmt, fn: str, name: str = "cache") -> KVFormat:
     return fmt
 
 
+def as_rank3(cache):
+    """A FlashMLA-shaped ``[num_blocks, page_size, 1, bytes]`` cache as
+    ``[num_blocks, page_size, bytes]`` (same bytes; a bitcast in XLA); a rank-3 cache as is."""
+    shape = cache.shape
+    return cache.reshape(shape[0], shape[1], shape[3]) if len(shape) == 4 else cache
+
+
 def _as_byte_cache(cache, fmt, fn: str, name: str = "cache"):
     """Validate and normalise a cache to uint8 ``[num_blocks, page_size, bytes_per_token]``.
 
@@ -228,8 +236,7 @@ def _as_byte_cache(cache, fmt, fn: str, name: str = "cache"):
     """
     cache = jnp.asarray(cache)
     fmt = _check_cache(cache.shape, cache.dtype, fmt, fn, name)
-    if cache.ndim == 4:
-        cache = cache.reshape(cache.shape[0], cache.shape[1], cache.shape[3])
+    cache = as_rank3(cache)
     if jnp.dtype(cache.dtype) != jnp.dtype(jnp.uint8):
         cache = lax.bitcast_convert_type(cache, jnp.uint8)
     return cache, fmt
@@ -358,7 +365,7 @@ def dequantize_tokens(rows, fmt=None):
     fmt = _resolve_format(fmt, nbytes=rows.shape[-1], who=fn)
     _check_last_dim(rows, fmt.bytes_per_token, "rows", fn, fmt)
     if jnp.dtype(rows.dtype) != jnp.dtype(jnp.uint8):
-        if jnp.dtype(rows.dtype) not in _CACHE_DTYPES:
+        if jnp.dtype(rows.dtype) not in CACHE_DTYPES:
             raise TypeError(
                 f"{fn}: rows must have dtype uint8, int8 or float8_e4m3fn, "
                 f"got {jnp.dtype(rows.dtype).name}"

@@ -27,7 +27,7 @@ from jax_sparse_mla._plan import (  # noqa: F401  (public through jax_sparse_mla
     default_num_parts,
     plan_decode,
 )
-from jax_sparse_mla.formats import KVFormat
+from jax_sparse_mla.formats import KVFormat, as_rank3
 
 
 def sparse_mla_decode(
@@ -77,12 +77,7 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
     """Validates every operand and fills the optional ones with neutral values: the operands of
     the core (caches rank 3, the plan's arrays if one is passed) and its static attributes."""
     _checks.check_dtype("q", q, (jnp.bfloat16,))
-    q_shape = _checks._shape(q)
-    if len(q_shape) != 4:
-        raise ValueError(f"q: expected shape [b, s_q, h_q, d_qk], got {q_shape}")
-    b, s_q, h_q, d_qk = q_shape
-    if min(b, s_q, h_q) < 1:
-        raise ValueError(f"q: b, s_q and h_q must be >= 1, got shape {q_shape}")
+    b, s_q, h_q, d_qk = _checks.check_q_shape(q)
     if d_qk not in (576, 512):
         raise ValueError(f"q: expected last dim d_qk in {{576 (V32), 512 (MODEL1)}}, got d_qk={d_qk}")
     fmt = KVFormat.from_d_qk(d_qk)
@@ -90,10 +85,7 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
 
     indices = _ints.ids_int32("indices", indices, cache.num_blocks * cache.page_size)
     _checks.check_dtype("indices", indices, (jnp.int32,))
-    idx_shape = _checks._shape(indices)
-    if len(idx_shape) != 3 or idx_shape[:2] != (b, s_q) or idx_shape[2] < 1:
-        raise ValueError(f"indices: expected shape [b, s_q, topk] = ({b}, {s_q}, topk >= 1), got {idx_shape}")
-    topk = idx_shape[2]
+    topk = _checks.check_ids_shape("indices", indices, b, s_q, "topk")
 
     scale = d_qk ** -0.5 if sm_scale is None else _checks.check_static_float("sm_scale", sm_scale)
     lengths = _lengths_or_full("topk_length", topk_length, b, topk)
@@ -120,10 +112,7 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
         extra_page_size = extra.page_size
         extra_indices = _ints.ids_int32("extra_indices", extra_indices, extra.num_blocks * extra.page_size)
         _checks.check_dtype("extra_indices", extra_indices, (jnp.int32,))
-        e_shape = _checks._shape(extra_indices)
-        if len(e_shape) != 3 or e_shape[:2] != (b, s_q) or e_shape[2] < 1:
-            raise ValueError(
-                f"extra_indices: expected shape [b, s_q, extra_topk] = ({b}, {s_q}, extra_topk >= 1), got {e_shape}")
+        _checks.check_ids_shape("extra_indices", extra_indices, b, s_q, "extra_topk")
     extra_topk = _checks._shape(extra_indices)[2]
     extra_lengths = _lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
 
@@ -131,7 +120,7 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
     if plan is not None:  # None: the decode core plans for the shapes it runs on (per shard, per fold)
         _check_plan(plan, b, topk, extra_topk, batch_invariant)
     operands = DecodeOperands(
-        q=q, kv_cache=_rank3(kv_cache), indices=indices, topk_length=lengths, extra_kv_cache=_rank3(extra_kv_cache),
+        q=q, kv_cache=as_rank3(kv_cache), indices=indices, topk_length=lengths, extra_kv_cache=as_rank3(extra_kv_cache),
         extra_indices=extra_indices, extra_topk_length=extra_lengths, attn_sink=attn_sink,
         sched=None if plan is None else plan.sched, num_splits=None if plan is None else plan.num_splits)
     static = DecodeStatic(
@@ -155,12 +144,6 @@ def _check_plan(plan, b: int, topk: int, extra_topk: int, batch_invariant: bool)
         raise ValueError(
             f"plan: made with batch_invariant={plan.batch_invariant}, but this call has "
             f"batch_invariant={batch_invariant}; pass the same batch_invariant to plan_decode and sparse_mla_decode")
-
-def _rank3(cache):
-    """A FlashMLA-shaped [num_blocks, page_size, 1, bytes] cache as [num_blocks, page_size, bytes]
-    (same bytes; a bitcast in XLA)."""
-    shape = _checks._shape(cache)
-    return cache.reshape(shape[0], shape[1], shape[3]) if len(shape) == 4 else cache
 
 
 # --- jax.export -------------------------------------------------------------------------------
