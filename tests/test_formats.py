@@ -13,10 +13,10 @@ from jax_sparse_mla.formats import KVFormat, dequantize_kv, quantize_kv, write_k
 from tests.utils import (
     BF16,
     FP8,
-    _random_keys,
     np_dequantize_kv,
     np_quantize_kv,
     np_quantize_tokens,
+    random_keys,
 )
 
 V32, MODEL1 = KVFormat.V32, KVFormat.MODEL1
@@ -90,13 +90,13 @@ def test_from_d_qk_error():
 @pytest.mark.parametrize("shape", [(3, 1), (2, 61), (1, 64)])
 def test_quantize_matches_numpy_random(fmt, shape):
     rng = np.random.default_rng(1000 * fmt.code + 100 * shape[0] + shape[1])
-    k = _random_keys(rng, fmt.name, *shape)
+    k = random_keys(rng, fmt.name, *shape)
     _assert_bytes_equal(_quantize(jnp.asarray(k), fmt), np_quantize_kv(k, fmt))
 
 
 def test_quantize_eager_and_string_format():
     rng = np.random.default_rng(5)
-    k = _random_keys(rng, "MODEL1", 2, 3)
+    k = random_keys(rng, "MODEL1", 2, 3)
     want = np_quantize_kv(k, "MODEL1")
     _assert_bytes_equal(quantize_kv(jnp.asarray(k), "MODEL1"), want)
     _assert_bytes_equal(quantize_kv(jnp.asarray(k)), want)  # format from d_qk
@@ -197,7 +197,7 @@ def test_quantize_scale_boundaries(fmt):
 
 def test_v32_layout():
     rng = np.random.default_rng(7)
-    k = _random_keys(rng, "V32", 2, 5)
+    k = random_keys(rng, "V32", 2, 5)
     c = _bytes(_quantize(jnp.asarray(k), V32))
     assert c.shape == (2, 5, 656) and c.dtype == np.uint8
     x = k.astype(np.float32)
@@ -222,7 +222,7 @@ def test_v32_layout():
 def test_model1_planar_layout(page_size):
     rng = np.random.default_rng(page_size)
     nb = 2
-    k = _random_keys(rng, "MODEL1", nb, page_size)
+    k = random_keys(rng, "MODEL1", nb, page_size)
     c = _bytes(_quantize(jnp.asarray(k), MODEL1))
     assert c.shape == (nb, page_size, 584)
     rows = np_quantize_tokens(k, "MODEL1")  # [nb, P, 584] logical token rows
@@ -250,7 +250,7 @@ def test_model1_planar_layout(page_size):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_roundtrip(fmt):
     rng = np.random.default_rng(21)
-    k = _random_keys(rng, fmt.name, 3, 61)
+    k = random_keys(rng, fmt.name, 3, 61)
     c = _quantize(jnp.asarray(k), fmt)
     d = _dequantize(c, fmt)
     assert d.shape == k.shape and d.dtype == jnp.bfloat16
@@ -339,7 +339,7 @@ def test_dequantize_special_bytes():
 def test_dequantize_input_variants(fmt):
     """uint8, int8, float8_e4m3fn and the rank-4 FlashMLA shape hold the same bytes."""
     rng = np.random.default_rng(4)
-    c = _quantize(jnp.asarray(_random_keys(rng, fmt.name, 2, 5)), fmt)
+    c = _quantize(jnp.asarray(random_keys(rng, fmt.name, 2, 5)), fmt)
     want = np.asarray(_dequantize(c, fmt))
     for v in (c[:, :, None, :], jax.lax.bitcast_convert_type(c, jnp.int8),
               jax.lax.bitcast_convert_type(c, jnp.float8_e4m3fn)[:, :, None, :]):
@@ -353,9 +353,9 @@ def test_dequantize_input_variants(fmt):
 
 def _write_case(fmt, num_blocks, page_size, n, seed):
     rng = np.random.default_rng(seed)
-    k0 = _random_keys(rng, fmt.name, num_blocks, page_size)
+    k0 = random_keys(rng, fmt.name, num_blocks, page_size)
     num_tokens = num_blocks * page_size
-    k_new = _random_keys(rng, fmt.name, 1, n)[0]
+    k_new = random_keys(rng, fmt.name, 1, n)[0]
     slots = rng.choice(num_tokens, n, replace=False).astype(np.int64)
     bad = np.array([-1, -2**31, num_tokens, num_tokens + 5, 2**31 - 1])
     slots[:len(bad)] = bad
@@ -426,7 +426,7 @@ def test_write_kv_donated(fmt, variant):
 def test_write_kv_keeps_nan_bytes_elsewhere():
     """0xFF bytes of other slots (also in the float8 dtype) pass through untouched."""
     c = np.full((3, 4, 584), 0xFF, np.uint8)
-    k = _random_keys(np.random.default_rng(0), "MODEL1", 1, 1)[0]
+    k = random_keys(np.random.default_rng(0), "MODEL1", 1, 1)[0]
     cache = jax.lax.bitcast_convert_type(jnp.asarray(c), jnp.float8_e4m3fn)
     got = np.asarray(jax.jit(write_kv)(cache, jnp.asarray(k), jnp.array([5], jnp.int32))).view(np.uint8)
     want = c.reshape(3, -1).copy()
@@ -488,7 +488,7 @@ def test_errors():
 
 def test_quantize_tokens_and_rows_helpers():
     rng = np.random.default_rng(1)
-    k = _random_keys(rng, "MODEL1", 3, 5)
+    k = random_keys(rng, "MODEL1", 3, 5)
     rows = np.asarray(formats.quantize_tokens(jnp.asarray(k), "MODEL1"))
     assert np.array_equal(rows, np_quantize_tokens(k, "MODEL1"))
     cache = formats.rows_to_cache(jnp.asarray(rows), "MODEL1")

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla import reference, sharding
-from tests.utils import REPO_ROOT, fresh_rng, make_case, np_quantize_kv, _random_keys
+from tests.utils import REPO_ROOT, fresh_rng, make_case, np_quantize_kv, random_keys
 
 V32, MODEL1 = jsm.KVFormat.V32, jsm.KVFormat.MODEL1
 
@@ -31,8 +31,8 @@ def _aliases(rng, targets):
 
 def _write_case(rng, fmt, num_blocks=6, page_size=8, n=10):
     num_tokens = num_blocks * page_size
-    cache = jnp.asarray(np_quantize_kv(_random_keys(rng, fmt.name, num_blocks, page_size), fmt.name))
-    k_new = jnp.asarray(_random_keys(rng, fmt.name, 1, n)[0])
+    cache = jnp.asarray(np_quantize_kv(random_keys(rng, fmt.name, num_blocks, page_size), fmt.name))
+    k_new = jnp.asarray(random_keys(rng, fmt.name, 1, n)[0])
     tokens = rng.choice(num_tokens, 2 * n, replace=False)
     slots, others = tokens[:n].astype(np.int64), tokens[n:]  # `others` are never written
     bad = rng.random(n) < 0.5

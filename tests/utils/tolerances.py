@@ -1,0 +1,79 @@
+"""The tolerances (docs/numerics.md, Tolerances) and the assertions that apply them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+OUT_ATOL = 1e-3
+OUT_RTOL = 2.01 / 128
+OUT_COS_DIFF = 5e-6
+LSE_ATOL = 1e-6
+LSE_RTOL = 8.01 / 65536
+
+
+def _as_f64(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.astype(np.float64)
+
+
+def _worst(a, r, bad, limit=5):
+    """Text listing up to ``limit`` failing elements, largest error first."""
+    idx = np.argwhere(bad)
+    with np.errstate(invalid="ignore"):
+        err = np.abs(a - r)[bad]
+    err = np.where(np.isnan(err), np.inf, err)
+    order = np.argsort(-err, kind="stable")[:limit]
+    lines = []
+    for k in order:
+        pos = tuple(int(v) for v in idx[k])
+        lines.append(f"    at {pos}: actual={a[pos]!r} expected={r[pos]!r} |diff|={err[k]:.3g}")
+    return "\n".join(lines)
+
+
+def out_of_tolerance(a, r, atol, rtol):
+    """Elementwise tolerance rule on float64 arrays: the mask of elements failing
+    ``|a-r| <= atol or <= rtol*|r|`` (infinities must match, NaN never passes)."""
+    nan = np.isnan(a) | np.isnan(r)
+    inf = np.isinf(a) | np.isinf(r)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(a - r)
+        close = (diff <= atol) | (diff <= rtol * np.abs(r))
+    return ~(np.where(inf, a == r, close) & ~nan)
+
+
+def _elementwise(actual, ref, atol, rtol, what):
+    a, r = _as_f64(actual), _as_f64(ref)
+    if a.shape != r.shape:
+        raise AssertionError(f"{what}: shape mismatch, actual {a.shape} vs expected {r.shape}")
+    bad = out_of_tolerance(a, r, atol, rtol)
+    if bad.any():
+        nan = np.isnan(a) | np.isnan(r)
+        inf = np.isinf(a) | np.isinf(r)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {a.size} elements out of tolerance "
+            f"(|diff| <= {atol:g} or <= {rtol:.6g}*|expected|; infinities must match; NaN never "
+            f"passes; {int((nan & bad).sum())} NaN, {int((inf & bad).sum())} inf mismatches). "
+            f"Worst:\n{_worst(a, r, bad)}"
+        )
+    return a, r, np.isinf(a) | np.isinf(r)
+
+
+def assert_out_close(actual, ref):
+    """Tolerance check of ``out``: elementwise tolerance plus the whole-tensor
+    ``1 - 2*sum(a*r)/sum(a^2+r^2) < 5e-6`` (float64, over the finite elements)."""
+    a, r, inf = _elementwise(actual, ref, OUT_ATOL, OUT_RTOL, "out")
+    a, r = a[~inf], r[~inf]
+    denom = float(np.sum(a * a + r * r))
+    cos_diff = 0.0 if denom == 0.0 else 1.0 - 2.0 * float(np.sum(a * r)) / denom
+    if not cos_diff < OUT_COS_DIFF:
+        raise AssertionError(
+            f"out: whole-tensor cosine difference {cos_diff:.3g} >= {OUT_COS_DIFF:g} "
+            f"(max |diff| {float(np.max(np.abs(a - r), initial=0.0)):.3g})"
+        )
+
+
+def assert_lse_close(actual, ref):
+    """Tolerance check of ``lse``: ``|a-r| <= 1e-6`` or ``<= 8.01/65536*|r|``, infinities
+    equal, NaN fails."""
+    _elementwise(actual, ref, LSE_ATOL, LSE_RTOL, "lse")
