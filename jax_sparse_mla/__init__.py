@@ -5,10 +5,10 @@ Public API only; see README.md and docs/ for the contract.
 
 __version__ = "0.1.0"
 
-from jax_sparse_mla._ffi import TARGETS as EXPORT_CUSTOM_CALL_TARGETS
-from jax_sparse_mla import _ffi
+from jax_sparse_mla.op._ffi import TARGETS as EXPORT_CUSTOM_CALL_TARGETS
+from jax_sparse_mla.op import _ffi
 from jax_sparse_mla.formats import KVFormat, dequantize_kv, quantize_kv, write_kv
-from jax_sparse_mla.ops import (
+from jax_sparse_mla.op.decode import (
     DecodeConfig,
     DecodePlan,
     default_num_parts,

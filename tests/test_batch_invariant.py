@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla import _ffi, sharding
+from jax_sparse_mla import sharding
+from jax_sparse_mla.op import _ffi
 from tests.utils import fresh_rng, make_case
 
 C = _ffi.CHUNK_BLOCKS

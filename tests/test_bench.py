@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sparse_mla import bench, reference, trace_summary
+from jax_sparse_mla import bench, reference
+from jax_sparse_mla.apps import trace_summary
 from tests.utils import assert_lse_close, assert_out_close, make_case, soften
 
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 pytest.importorskip("flax")
-from jax_sparse_mla import checkpoint as ckpt  # noqa: E402
-from jax_sparse_mla import indexer as fp8_indexer  # noqa: E402
+from jax_sparse_mla.serving import checkpoint as ckpt  # noqa: E402
+from jax_sparse_mla.serving import indexer as fp8_indexer  # noqa: E402
 from jax_sparse_mla import nnx as jnnx  # noqa: E402
-from jax_sparse_mla import yarn  # noqa: E402
+from jax_sparse_mla.serving import yarn  # noqa: E402
 
 FP8 = ml_dtypes.float8_e4m3fn
 V32_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
@@ -505,7 +505,7 @@ def test_layer_demo_writes_loads_and_decodes(tmp_path):
     """`python -m jax_sparse_mla layer`: a synthetic checkpoint written to a directory, then the
     same directory loaded as a given checkpoint, decode the same numbers."""
     from jax_sparse_mla import __main__ as cli
-    from jax_sparse_mla import layer_demo
+    from jax_sparse_mla.apps import layer_demo
 
     tiny = ["--context", "40", "--steps", "2", "--dim", "192", "--heads", "4", "--topk", "16", "--batch", "2",
             "--page-size", "16", "--seed", "1"]

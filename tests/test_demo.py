@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("flax")
-from jax_sparse_mla import demo  # noqa: E402
+from jax_sparse_mla.apps import demo  # noqa: E402
 from tests.utils import collectives, mesh_layouts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,11 +1,11 @@
 """The package's structure: no import cycle among its modules, and the FFI binding of the decode
-call in C++ takes the operands and attributes in the order `_operands.py` declares."""
+call in C++ takes the operands and attributes in the order `jax_sparse_mla/op/_operands.py` declares."""
 
 import ast
 import re
 from pathlib import Path
 
-from jax_sparse_mla._operands import DecodeOperands, DecodeStatic
+from jax_sparse_mla.op._operands import DecodeOperands, DecodeStatic
 from jax_sparse_mla.formats import KVFormat
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla._kernel import plan_for
-from jax_sparse_mla._operands import DecodeOperands, DecodeStatic
-from jax_sparse_mla._partitioning import partitionable
+from jax_sparse_mla.op._kernel import plan_for
+from jax_sparse_mla.op._operands import DecodeOperands, DecodeStatic
+from jax_sparse_mla.op._partitioning import partitionable
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 

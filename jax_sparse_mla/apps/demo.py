@@ -153,9 +153,9 @@ def run(args: argparse.Namespace) -> dict:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import jax_sparse_mla as jsm
-    from jax_sparse_mla import sharding
-    from jax_sparse_mla.model import DecoderModel, ModelConfig, init_caches
-    from jax_sparse_mla.nnx import MLAConfig, token_slots, window_indices
+    from jax_sparse_mla.serving import sharding
+    from jax_sparse_mla.apps.model import DecoderModel, ModelConfig, init_caches
+    from jax_sparse_mla.serving.nnx import MLAConfig, token_slots, window_indices
 
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     devices = jax.devices(platform)

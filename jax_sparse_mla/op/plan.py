@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla import _checks, _ffi, _ints
+from jax_sparse_mla import _ints
+from jax_sparse_mla.op import _checks, _ffi
 
 HEADS_PER_CTA = 64
 # More workers than this only adds empty partial-buffer rows ([b + num_parts, s_q, h_q, 512] f32).

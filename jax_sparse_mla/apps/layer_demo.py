@@ -4,7 +4,7 @@ and decode with it.
 Without `--checkpoint` a synthetic checkpoint is written first (random DeepSeek-V3.2-shaped
 weights in the Hugging Face layout: FP8 projections with 128 x 128 block scales, interleaved
 RoPE rows, DeepSeek V3.2's YaRN `rope_scaling` in `config.json`), into `--write DIR` or a
-temporary directory. The layer is loaded with `jax_sparse_mla.checkpoint.load_deepseek_layer`,
+temporary directory. The layer is loaded with `jax_sparse_mla.serving.checkpoint.load_deepseek_layer`,
 fed a prompt of `--context` random hidden states in one call, then `--steps` single-token
 decode steps. The same weights with the exact indexer (`indexer="exact"`) run alongside: the
 report shows how many of the FP8 indexer's top-k tokens the exact one also picks.
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jax_sparse_mla.demo import _at_least
+from jax_sparse_mla.apps.demo import _at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _synthetic(args, directory: Path) -> None:
-    from jax_sparse_mla import checkpoint
-    from jax_sparse_mla.nnx import MLAConfig
+    from jax_sparse_mla.serving import checkpoint
+    from jax_sparse_mla.serving.nnx import MLAConfig
 
     config = MLAConfig(dim=args.dim, n_heads=args.heads, q_lora_rank=256, qk_nope_head_dim=128, v_head_dim=128,
                        index_n_heads=16, index_head_dim=128, index_topk=args.topk,
@@ -61,9 +61,9 @@ def run(args: argparse.Namespace) -> dict:
     import numpy as np
     from flax import nnx
 
-    from jax_sparse_mla import checkpoint
-    from jax_sparse_mla.nnx import init_layer_cache, make_block_table
-    from jax_sparse_mla.yarn import rope_frequencies
+    from jax_sparse_mla.serving import checkpoint
+    from jax_sparse_mla.serving.nnx import init_layer_cache, make_block_table
+    from jax_sparse_mla.serving.yarn import rope_frequencies
 
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.checkpoint

@@ -13,8 +13,8 @@ import math
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 
-from jax_sparse_mla._kernel import local_decode
-from jax_sparse_mla._operands import (HEADS, REQUESTS, RESULT_FACTORS, RESULTS, DecodeOperands, DecodeStatic,
+from jax_sparse_mla.op._kernel import local_decode
+from jax_sparse_mla.op._operands import (HEADS, REQUESTS, RESULT_FACTORS, RESULTS, DecodeOperands, DecodeStatic,
                                       partition_spec)
 
 

@@ -1,6 +1,6 @@
 """The public op: plan_decode and sparse_mla_decode, as three XLA FFI calls.
 
-One decode is: the split-KV planner (tiny, `_plan.py`), the split-KV decode pass (writes
+One decode is: the split-KV planner (tiny, `plan.py`), the split-KV decode pass (writes
 `out`/`lse` of requests done in one piece and fp32 partials of split ones, all
 as ordinary XLA outputs) and the combine pass (updates `out`/`lse` in place; both in `_kernel.py`).
 The same three targets exist for the CPU and CUDA platforms.
@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_sparse_mla import _checks, _ffi, _ints
-from jax_sparse_mla._batching import batchable
-from jax_sparse_mla._operands import DecodeOperands, DecodeStatic
-from jax_sparse_mla._plan import (  # noqa: F401  (public through jax_sparse_mla)
+from jax_sparse_mla import _ints
+from jax_sparse_mla.op import _checks, _ffi
+from jax_sparse_mla.op._batching import batchable
+from jax_sparse_mla.op._operands import DecodeOperands, DecodeStatic
+from jax_sparse_mla.op.plan import (  # noqa: F401  (public through jax_sparse_mla)
     DecodeConfig,
     DecodePlan,
     _lengths_or_full,

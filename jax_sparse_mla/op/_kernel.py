@@ -6,9 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sparse_mla import _ffi
-from jax_sparse_mla._operands import DecodeOperands, DecodeStatic
-from jax_sparse_mla._plan import DecodePlan, plan_decode
+from jax_sparse_mla.op import _ffi
+from jax_sparse_mla.op._operands import DecodeOperands, DecodeStatic
+from jax_sparse_mla.op.plan import DecodePlan, plan_decode
 from jax_sparse_mla.formats import D_V
 
 

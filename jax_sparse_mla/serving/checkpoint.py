@@ -48,8 +48,8 @@ import numpy as np
 from flax import nnx
 
 from jax_sparse_mla.formats import FP8_MAX, KVFormat
-from jax_sparse_mla.nnx import MLAAttention, MLAConfig
-from jax_sparse_mla.yarn import YarnScaling
+from jax_sparse_mla.serving.nnx import MLAAttention, MLAConfig
+from jax_sparse_mla.serving.yarn import YarnScaling
 
 __all__ = ["SafetensorsCheckpoint", "config_from_deepseek", "deepseek_config", "dequantize_fp8_blocks",
            "layer_tensor_names", "load_deepseek_layer", "open_checkpoint", "quantize_fp8_blocks", "random_layer_tensors",

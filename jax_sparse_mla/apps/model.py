@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_sparse_mla.nnx import LayerCache, MLAAttention, MLAConfig, _eager, init_layer_cache, make_block_table
+from jax_sparse_mla.serving.nnx import LayerCache, MLAAttention, MLAConfig, _eager, init_layer_cache, make_block_table
 
 __all__ = ["DecoderModel", "ModelConfig", "init_caches"]
 
