@@ -5,18 +5,11 @@ Public API only; see README.md and docs/ for the contract.
 
 __version__ = "0.1.0"
 
-from jax_sparse_mla.op._ffi import TARGETS as EXPORT_CUSTOM_CALL_TARGETS
-from jax_sparse_mla.op import _ffi
 from jax_sparse_mla.formats import KVFormat, dequantize_kv, quantize_kv, write_kv
-from jax_sparse_mla.op.decode import (
-    DecodeConfig,
-    DecodePlan,
-    default_num_parts,
-    export_disabled_checks,
-    plan_decode,
-    sparse_mla_decode,
-)
-
+from jax_sparse_mla.op import _ffi
+from jax_sparse_mla.op._ffi import TARGETS as EXPORT_CUSTOM_CALL_TARGETS
+from jax_sparse_mla.op.decode import export_disabled_checks, sparse_mla_decode
+from jax_sparse_mla.op.plan import DecodeConfig, DecodePlan, default_num_parts, plan_decode
 
 
 def build_info() -> dict:

@@ -55,9 +55,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax_sparse_mla as jsm
 from jax_sparse_mla import formats, reference
 from jax_sparse_mla.apps import trace_summary
-from jax_sparse_mla.op import decode
 from jax_sparse_mla.formats import KVFormat
 
 __all__ = ["Shape", "PRESETS", "main", "run_shape", "shape_from_name", "table"]
@@ -362,13 +362,13 @@ def _run_shape(shape: Shape, iters: int, xla: bool, reference_path: bool, trace_
     fmt = KVFormat.coerce(shape.fmt)
     sm_scale = fmt.d_qk ** -0.5
     extra = shape.extra_topk > 0
-    plan = jax.jit(lambda q, i, e: decode.plan_decode(q, i, extra_indices=e, batch_invariant=batch_invariant))(
+    plan = jax.jit(lambda q, i, e: jsm.plan_decode(q, i, extra_indices=e, batch_invariant=batch_invariant))(
         inp.qs[0], inp.idxs[0], inp.extra_idxs[0] if extra else None)
     jax.block_until_ready(plan)
 
     def one(q, idx, eidx, kv, ekv, sink, plan):
         kw = dict(extra_kv_cache=ekv, extra_indices=eidx) if extra else {}
-        return decode.sparse_mla_decode(q, kv, idx, sm_scale=sm_scale, attn_sink=sink, plan=plan,
+        return jsm.sparse_mla_decode(q, kv, idx, sm_scale=sm_scale, attn_sink=sink, plan=plan,
                                      batch_invariant=batch_invariant, **kw)
 
     calls = sets

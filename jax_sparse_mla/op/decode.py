@@ -18,17 +18,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_sparse_mla import _ints
+from jax_sparse_mla.formats import KVFormat, as_rank3
 from jax_sparse_mla.op import _checks, _ffi
 from jax_sparse_mla.op._batching import batchable
 from jax_sparse_mla.op._operands import DecodeOperands, DecodeStatic
-from jax_sparse_mla.op.plan import (  # noqa: F401  (public through jax_sparse_mla)
-    DecodeConfig,
-    DecodePlan,
-    _lengths_or_full,
-    default_num_parts,
-    plan_decode,
-)
-from jax_sparse_mla.formats import KVFormat, as_rank3
+from jax_sparse_mla.op.plan import DecodePlan, lengths_or_full
 
 
 def sparse_mla_decode(
@@ -89,7 +83,7 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
     topk = _checks.check_ids_shape("indices", indices, b, s_q, "topk")
 
     scale = d_qk ** -0.5 if sm_scale is None else _checks.check_static_float("sm_scale", sm_scale)
-    lengths = _lengths_or_full("topk_length", topk_length, b, topk)
+    lengths = lengths_or_full("topk_length", topk_length, b, topk)
 
     has_sink = attn_sink is not None
     if has_sink:
@@ -115,7 +109,7 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
         _checks.check_dtype("extra_indices", extra_indices, (jnp.int32,))
         _checks.check_ids_shape("extra_indices", extra_indices, b, s_q, "extra_topk")
     extra_topk = _checks._shape(extra_indices)[2]
-    extra_lengths = _lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
+    extra_lengths = lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
 
     _checks.check_static_bool("batch_invariant", batch_invariant)
     if plan is not None:  # None: the decode core plans for the shapes it runs on (per shard, per fold)

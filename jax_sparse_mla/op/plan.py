@@ -115,8 +115,8 @@ def plan_decode(
         num_parts = default_num_parts(s_q, h_q, config)
     if not isinstance(num_parts, (int, np.integer)) or not 1 <= num_parts <= MAX_NUM_PARTS:
         raise ValueError(f"num_parts: expected an int in [1, {MAX_NUM_PARTS}], got {num_parts!r}")
-    lengths = _lengths_or_full("topk_length", topk_length, b, topk)
-    extra_lengths = _lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
+    lengths = lengths_or_full("topk_length", topk_length, b, topk)
+    extra_lengths = lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
     sched, num_splits = jax.ffi.ffi_call(
         _ffi.PLAN_TARGET,
         (
@@ -158,7 +158,7 @@ def _invariant_num_parts(b: int, topk: int, extra_topk: int, num_parts) -> int:
     return num_parts
 
 
-def _lengths_or_full(name: str, lengths, batch: int, full: int):
+def lengths_or_full(name: str, lengths, batch: int, full: int):
     if lengths is None:
         return jnp.full((batch,), full, jnp.int32)
     lengths = _ints.lengths_int32(lengths, full)
