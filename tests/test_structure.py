@@ -76,3 +76,16 @@ def test_bind_decode_attributes_match_declaration():
                           has_extra=False, sink_per_request=False, plan_parts=None, batch_invariant=False)
     names = re.findall(r'\.template Attr<\w+>\("(\w+)"\)', _bind_decode())
     assert tuple(names) == tuple(static.ffi_attributes())
+
+
+def test_old_public_paths_still_import():
+    """Module paths users (and FlashMLA's side-by-side harness: `from jax_sparse_mla import bench,
+    ops`) imported before the package was grouped keep working, as the same objects."""
+    import jax_sparse_mla as jsm
+    from jax_sparse_mla import bench, nnx, ops, sharding
+    from jax_sparse_mla.apps import bench as apps_bench
+    from jax_sparse_mla.serving import nnx as serving_nnx, sharding as serving_sharding
+
+    assert (bench, nnx, sharding) == (apps_bench, serving_nnx, serving_sharding)
+    assert ops.plan_decode is jsm.plan_decode and ops.sparse_mla_decode is jsm.sparse_mla_decode
+    assert ops.DecodePlan is jsm.DecodePlan
