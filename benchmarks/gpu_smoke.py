@@ -84,7 +84,11 @@ def garbage_plan_runs(name, case, rng):
         for make in (junk, small):
             bad = jsm.DecodePlan(sched=make(plan.sched), num_splits=make(plan.num_splits), batch=plan.batch,
                                  topk=plan.topk, extra_topk=plan.extra_topk)
-            jax.block_until_ready(_decode(**case, plan=bad))
+            try:
+                jax.block_until_ready(_decode(**case, plan=bad))
+            except jax.errors.JaxRuntimeError as e:  # the CPU handler refuses such plans: also fine
+                if "jax_sparse_mla: plan" not in str(e):
+                    raise
         print(f"ok   {name}", flush=True)
         return True
     except Exception:
