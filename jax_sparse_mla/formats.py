@@ -192,6 +192,21 @@ def _check_last_dim(x, expected: int, name: str, fn: str, fmt: KVFormat) -> None
         )
 
 
+def cache_layout_problem(shape, fmt: "KVFormat | None") -> str | None:
+    """What is wrong with a cache array's shape, if anything: ``"rank4"`` (a rank-4 cache whose
+    dim 2 is not 1), ``"rank"`` (neither rank 3 nor 4) or ``"bytes"`` (last dim is not ``fmt``'s
+    bytes per token; not checked when ``fmt`` is None). The one statement of the layout rule;
+    each API words its own error."""
+    shape = tuple(shape)
+    if len(shape) == 4 and shape[2] != 1:
+        return "rank4"
+    if len(shape) not in (3, 4):
+        return "rank"
+    if fmt is not None and shape[-1] != fmt.bytes_per_token:
+        return "bytes"
+    return None
+
+
 def _check_cache(shape, dtype, fmt, fn: str, name: str = "cache") -> KVFormat:
     """Validate a cache's shape and dtype; return its format (``fmt`` or inferred)."""
     dt = jnp.dtype(dtype)
@@ -201,19 +216,19 @@ def _check_cache(shape, dtype, fmt, fn: str, name: str = "cache") -> KVFormat:
             f"{fn}: {name} must have dtype uint8, int8 or float8_e4m3fn (raw cache bytes), "
             f"got {dt.name}"
         )
-    if len(shape) == 4:
-        if shape[2] != 1:
-            raise ValueError(
-                f"{fn}: a rank-4 {name} must be [num_blocks, page_size, 1, bytes_per_token], "
-                f"got shape {shape} (dim 2 must be 1)"
-            )
-    elif len(shape) != 3:
+    problem = cache_layout_problem(shape, None)
+    if problem == "rank4":
+        raise ValueError(
+            f"{fn}: a rank-4 {name} must be [num_blocks, page_size, 1, bytes_per_token], "
+            f"got shape {shape} (dim 2 must be 1)"
+        )
+    if problem == "rank":
         raise ValueError(
             f"{fn}: {name} must have rank 3 [num_blocks, page_size, bytes_per_token] or rank 4 "
             f"[num_blocks, page_size, 1, bytes_per_token], got rank {len(shape)} (shape {shape})"
         )
     fmt = _resolve_format(fmt, nbytes=shape[-1], who=fn)
-    if shape[-1] != fmt.bytes_per_token:
+    if cache_layout_problem(shape, fmt) == "bytes":
         raise ValueError(
             f"{fn}: {name} last dim (bytes per token) must be {fmt.bytes_per_token} for format "
             f"{fmt.name}, got {shape[-1]} (shape {shape})"

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_mla.formats import CACHE_DTYPES, KVFormat
+from jax_sparse_mla.formats import CACHE_DTYPES, KVFormat, cache_layout_problem
 
 
 def _shape(x) -> tuple:
@@ -62,15 +62,15 @@ class CacheInfo:
 def check_cache(name: str, cache, fmt: KVFormat) -> CacheInfo:
     check_dtype(name, cache, CACHE_DTYPES)
     shape = _shape(cache)
-    if len(shape) == 4:
-        if shape[2] != 1:
-            raise ValueError(f"{name}: a rank-4 cache must be [num_blocks, page_size, 1, bytes], got {shape}")
-    elif len(shape) != 3:
+    problem = cache_layout_problem(shape, fmt)
+    if problem == "rank4":
+        raise ValueError(f"{name}: a rank-4 cache must be [num_blocks, page_size, 1, bytes], got {shape}")
+    if problem == "rank":
         raise ValueError(
             f"{name}: expected shape [num_blocks, page_size, bytes_per_token] (or with a 1 before the last dim), "
             f"got {shape}"
         )
-    if shape[-1] != fmt.bytes_per_token:
+    if problem == "bytes":
         raise ValueError(
             f"{name}: last dim must be {fmt.name}'s bytes_per_token {fmt.bytes_per_token} "
             f"(format chosen by q's d_qk = {fmt.d_qk}), got {shape[-1]}"
