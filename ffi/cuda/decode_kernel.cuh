@@ -471,6 +471,27 @@ __device__ __forceinline__ uint64_t block_valid_mask(const uint8_t* words) {
   return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
+// Where a consumer's block n stands: the cursor of the next block, whether block n ends its
+// request's piece, and block n's buffer and K tile (the walk both consumers share).
+struct ConsumerStep {
+  Cursor next;
+  bool last;
+  int buf;
+  uint32_t k_tile;
+};
+
+template <KVFormat F>
+__device__ __forceinline__ ConsumerStep consumer_step(const Params& p, const Work& w, const Cursor& cur, int n,
+                                                      uint32_t sb) {
+  ConsumerStep st;
+  st.next = cur;
+  cursor_advance(st.next, p, w.end_req, w.end_block);
+  st.last = st.next.r != cur.r;
+  st.buf = n & 1;
+  st.k_tile = sb + Smem<F>::kK + st.buf * Smem<F>::kTile;
+  return st;
+}
+
 // The running maximum of a row moves only when a block's maximum exceeds it by more than
 // this (base 2): probabilities then stay under 2^8, harmless in fp32 and bf16 (rounding is
 // relative), and most blocks leave alpha = 1, so both consumers skip rescaling O.
@@ -525,11 +546,11 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
   float l[2] = {0.f, 0.f};
 
   for (int n = 0;; ++n) {
-    Cursor nx = cur;
-    cursor_advance(nx, p, w.end_req, w.end_block);
-    const bool last = nx.r != cur.r;
-    const int buf = n & 1;
-    const uint32_t k_s = sb + L::kK + buf * L::kTile;
+    const ConsumerStep st = consumer_step<F>(p, w, cur, n, sb);
+    const Cursor& nx = st.next;
+    const bool last = st.last;
+    const int buf = st.buf;
+    const uint32_t k_s = st.k_tile;
 
     if (q_pending) {
       cp_async_wait_all();
@@ -680,11 +701,11 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
   zero(o);
 
   for (int n = 0;; ++n) {
-    Cursor nx = cur;
-    cursor_advance(nx, p, w.end_req, w.end_block);
-    const bool last = nx.r != cur.r;
-    const int buf = n & 1;
-    const uint32_t k_s = sb + L::kK + buf * L::kTile;
+    const ConsumerStep st = consumer_step<F>(p, w, cur, n, sb);
+    const Cursor& nx = st.next;
+    const bool last = st.last;
+    const int buf = st.buf;
+    const uint32_t k_s = st.k_tile;
 
     named_bar_sync(kBarPReady, kConsumers);
     wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);  // (already complete: makes K visible here too)
