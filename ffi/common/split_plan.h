@@ -72,9 +72,13 @@ JSM_HD int chunks_of(int blocks) { return ceil_div(blocks, kChunkBlocks); }
 // Chunks of the longest request a call with these list sizes can hold.
 JSM_HD int max_chunks(int topk, int extra_topk) { return chunks_of(main_blocks(topk) + extra_blocks(extra_topk)); }
 
+JSM_HD void clear_row(int32_t* row) {
+  for (int k = 0; k < kSchedFields; ++k) row[k] = 0;
+}
+
 // A worker with nothing to do.
 JSM_HD void set_empty_worker(int32_t* row, int batch) {
-  for (int k = 0; k < kSchedFields; ++k) row[k] = 0;
+  clear_row(row);
   row[kBeginReq] = batch;
   row[kEndReq] = batch - 1;
 }
@@ -113,7 +117,7 @@ JSM_HD void build_split_plan(int batch, int num_parts, BlocksOf blocks_of, int32
       set_empty_worker(row, batch);
       continue;
     }
-    for (int k = 0; k < kSchedFields; ++k) row[k] = 0;
+    clear_row(row);
     row[kBeginReq] = req;
     row[kBeginBlock] = block;
     row[kBeginSplit] = piece;
@@ -160,6 +164,7 @@ JSM_HD void build_invariant_plan(int batch, int num_parts, BlocksOf blocks_of, i
     for (int k = 0; k < chunks; ++k, ++w) {
       int32_t* row = sched + static_cast<int64_t>(w) * kSchedFields;
       const int end = (k + 1) * kChunkBlocks;
+      clear_row(row);
       row[kBeginReq] = r;
       row[kEndReq] = r;
       row[kBeginBlock] = k * kChunkBlocks;
@@ -167,7 +172,6 @@ JSM_HD void build_invariant_plan(int batch, int num_parts, BlocksOf blocks_of, i
       row[kBeginSplit] = k;
       row[kIsFirstSplit] = k == 0;
       row[kIsLastSplit] = k == chunks - 1;
-      row[7] = 0;
     }
     num_splits[r + 1] = num_splits[r] + chunks;
   }
