@@ -65,10 +65,10 @@ if has bench; then
   summary+=("bench: $(grep -c '^| ' "$OUT/bench.log") table lines")
 fi
 
-if has diag; then  # where the time goes: 1 = no gathers, 2 = no MMAs, 3 = neither (results wrong)
+if has diag; then  # where the time goes: 1 = no gathers, 2 = no MMAs, 3 = neither, 4 = no producer stores (results wrong)
   stamp diag
   # The switch is compile-time (a shipped build never skips work): rebuild per mode, then back.
-  for m in 1 2 3; do
+  for m in ${DIAG_MODES:-1 2 3 4}; do
     CMAKE_ARGS="-DCMAKE_CUDA_FLAGS=-DJSM_TIMING_EXPERIMENT=$m" python3 -m pip install -q --no-build-isolation \
       --no-deps -e . >/dev/null 2>&1
     timeout 90 python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} \

@@ -50,6 +50,9 @@ NB_MODULE(_jax_sparse_mla, m) {
   m.attr("CHUNK_BLOCKS") = jsm::kChunkBlocks;
   m.attr("BLOCK_ENTRIES") = jsm::kBlockEntries;
   m.def("max_chunks", [](int topk, int extra_topk) { return jsm::max_chunks(topk, extra_topk); });
+  m.def("invariant_parts_needed", [](int64_t batch, int topk, int extra_topk) {
+    return jsm::invariant_parts_needed(batch, topk, extra_topk);
+  });
   m.def("build_info", [] {
     nb::dict d;
     d["jaxlib"] = JSM_JAXLIB_VERSION;

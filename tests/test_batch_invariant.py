@@ -2,7 +2,7 @@
 `out` and `lse` are the same bits decoded alone, anywhere in any batch of other requests, with any
 `num_parts`, under vmap, jax.export and every sharding on the 8 CPU devices (conftest.py).
 
-The cases have requests of one and of two chunks (lengths straddling the 16-block chunk, the
+The cases have requests of one and of two chunks (lengths straddling the 32-block chunk, the
 extra list adding the blocks that cross it), sinks (+-inf heads included) and extra caches; every
 comparison is bit for bit.
 """
@@ -22,7 +22,7 @@ from tests.utils import fresh_rng, make_case
 
 C = _ffi.CHUNK_BLOCKS
 ENTRIES = 64  # list entries per block (split_plan.h)
-TOPK, EXTRA_TOPK = 1100, 100  # 18 + 2 blocks: at most two chunks
+TOPK, EXTRA_TOPK = C * ENTRIES + 152, 100  # C + 3 and 2 blocks: at most two chunks
 POOL = 8  # requests sharing one cache
 _decode = jax.jit(jsm.sparse_mla_decode, static_argnames=("sm_scale", "batch_invariant"))
 _PER_REQUEST = ("q", "indices", "topk_length", "extra_indices", "extra_topk_length")
@@ -31,7 +31,7 @@ _PER_REQUEST = ("q", "indices", "topk_length", "extra_indices", "extra_topk_leng
 def _pool(rng, fmt, b=POOL, h_q=16):
     """`b` requests over shared caches; half the main lengths near top-k (two chunks), some past
     it or negative (clamped), extra lengths anywhere in [0, extra_topk]."""
-    case = make_case(rng, fmt, b=b, s_q=2, h_q=h_q, topk=TOPK, page_size=64, num_blocks=24, extra_topk=EXTRA_TOPK,
+    case = make_case(rng, fmt, b=b, s_q=2, h_q=h_q, topk=TOPK, page_size=64, num_blocks=40, extra_topk=EXTRA_TOPK,
                      extra_page_size=16, extra_num_blocks=16, with_lengths=True, with_sink=True, nan_fill=False,
                      sm_scale=0.05)
     near = rng.integers(TOPK - 200, TOPK + 30, b)
@@ -135,18 +135,29 @@ def _check_vmap(rng, fmt):
 
 
 def test_plan_chunks():
-    """The plan: request r's chunk k (blocks [16k, min(16k + 16, blocks(r)))) is worker
-    num_splits[r] + k, alone in its row; the rows after the last chunk are empty; the worker
-    count is b * ceil(max_blocks / 16) (or a larger num_parts)."""
+    """The plan: request r's chunk k is blocks [Ck, min(Ck + C, blocks(r))) and one piece (slot
+    num_splits[r] + k); workers hold runs of whole chunks in request order, never two chunks of
+    one request; rows past the last used one are empty; the worker count is the larger of
+    1 + b * (max_chunks - 1) and the default (or the caller's num_parts); a batch of one-chunk
+    requests is balanced within one chunk per worker."""
     rng = fresh_rng()
-    for _ in range(20):
+    for _ in range(30):
         _check_plan(rng)
+    for _ in range(10):
+        _check_plan(rng, balanced=True)
 
 
-def _check_plan(rng):
-    b = int(rng.integers(1, 7))
-    topk = int(rng.integers(1, 3000))
-    extra_topk = int(rng.choice([0, int(rng.integers(1, 1500))]))
+def _blocks(lens, topk, extra_lens, extra_topk):
+    blocks = np.maximum(-(-np.clip(lens, 0, topk) // ENTRIES), 1)
+    if extra_topk:
+        blocks = blocks + -(-np.clip(extra_lens, 0, extra_topk) // ENTRIES)
+    return [int(x) for x in blocks]
+
+
+def _check_plan(rng, balanced=False):
+    b = int(rng.integers(1, 7)) if not balanced else int(rng.integers(20, 300))
+    topk = int(rng.integers(1, 5000)) if not balanced else int(rng.integers(1, C * ENTRIES + 1))
+    extra_topk = int(rng.choice([0, int(rng.integers(1, 1500))])) if not balanced else 0
     lens = rng.integers(-10, topk + 10, b).astype(np.int32)
     extra_lens = rng.integers(-10, extra_topk + 10, b).astype(np.int32)
     q = jax.ShapeDtypeStruct((b, 1, 16, 576), jnp.bfloat16)
@@ -154,22 +165,32 @@ def _check_plan(rng):
     extra = dict(extra_indices=jax.ShapeDtypeStruct((b, 1, extra_topk), jnp.int32),
                  extra_topk_length=jnp.asarray(extra_lens)) if extra_topk else {}
     max_blocks = max(math.ceil(topk / ENTRIES), 1) + math.ceil(extra_topk / ENTRIES)
-    need = b * math.ceil(max_blocks / C)
-    for num_parts in (None, need + int(rng.integers(1, 9))):
+    need = 1 + b * (math.ceil(max_blocks / C) - 1)
+    blocks = _blocks(lens, topk, extra_lens, extra_topk)
+    chunks = [math.ceil(n / C) for n in blocks]
+    for num_parts in (None, need + int(rng.integers(0, 9))):
         plan = jsm.plan_decode(q, idx, topk_length=jnp.asarray(lens), num_parts=num_parts, batch_invariant=True,
                                **extra)
-        assert plan.batch_invariant and plan.num_parts == (num_parts or need)
-        rows, splits = [], [0]
-        for r in range(b):
-            blocks = max(math.ceil(np.clip(lens[r], 0, topk) / ENTRIES), 1)
-            if extra_topk:
-                blocks += math.ceil(np.clip(extra_lens[r], 0, extra_topk) / ENTRIES)
-            chunks = math.ceil(blocks / C)
-            rows += [[r, r, k * C, min(k * C + C, blocks), k, k == 0, k == chunks - 1, 0] for k in range(chunks)]
-            splits.append(splits[-1] + chunks)
-        rows += [[b, b - 1, 0, 0, 0, 0, 0, 0]] * (plan.num_parts - len(rows))
-        np.testing.assert_array_equal(np.asarray(plan.sched), np.asarray(rows, np.int32))
-        np.testing.assert_array_equal(np.asarray(plan.num_splits), splits)
+        assert plan.batch_invariant
+        assert plan.num_parts == (num_parts or max(need, jsm.default_num_parts(1, 16)))
+        np.testing.assert_array_equal(np.asarray(plan.num_splits), np.concatenate([[0], np.cumsum(chunks)]))
+        sched = np.asarray(plan.sched)
+        used = [row for row in sched if row[0] <= row[1]]
+        assert all((row == [b, b - 1, 0, 0, 0, 0, 0, 0]).all() for row in sched[len(used):]), "empty rows last"
+        pieces, loads = [], []
+        for br, er, bb, eb, split, first, last, zero in used:
+            assert (split, first, last, zero) == (bb // C, bb == 0, eb == blocks[er], 0)
+            load = 0
+            for r in range(br, er + 1):
+                start, end = (bb if r == br else 0), (eb if r == er else blocks[r])
+                assert start % C == 0 and end == min(start + C, blocks[r]), f"row piece {r}: [{start}, {end})"
+                pieces.append((r, start // C))
+                load += end - start + 5
+            loads.append(load)
+        assert pieces == [(r, k) for r in range(b) for k in range(chunks[r])], "every chunk once, in order"
+        if balanced:  # one-chunk requests: each worker within one chunk of an even share
+            total = sum(n + 5 for n in blocks)
+            assert max(loads) <= total / plan.num_parts + C + 5, (max(loads), total, plan.num_parts)
 
 
 def test_bad_arguments():
@@ -186,12 +207,12 @@ def test_bad_arguments():
         jsm.sparse_mla_decode(**case, plan=default_plan, batch_invariant=True)
     with pytest.raises(ValueError, match="made with batch_invariant=True, but this call has batch_invariant=False"):
         jsm.sparse_mla_decode(**case, plan=_plan(case))
-    # Too few workers for one per chunk (2 requests x 2 chunks), and too many requests.
-    with pytest.raises(ValueError, match=r"num_parts: .* expected num_parts >= 4 \(or None\), got 3"):
-        _plan(case, num_parts=3)
+    # Too few workers to keep 2 requests x 2 chunks apart (1 + 2 * 1 = 3), and too many requests.
+    with pytest.raises(ValueError, match=r"num_parts: .* expected num_parts >= 3 \(or None\), got 2"):
+        _plan(case, num_parts=2)
     big = jax.ShapeDtypeStruct((40000, 1, 16, 576), jnp.bfloat16)
-    with pytest.raises(ValueError, match="need 80000 workers, more than 65536"):
-        jsm.plan_decode(big, jax.ShapeDtypeStruct((40000, 1, 2048), jnp.int32), batch_invariant=True)
+    with pytest.raises(ValueError, match="need 120001 workers, more than 65536"):
+        jsm.plan_decode(big, jax.ShapeDtypeStruct((40000, 1, 4 * C * ENTRIES), jnp.int32), batch_invariant=True)
 
 
 def _cpus(n):

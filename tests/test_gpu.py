@@ -544,9 +544,9 @@ def test_nan_in_used_slot_propagates_through_combine():
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 def test_batch_invariant_alone_equals_large_batch(fmt):
-    """h_q 128: alone a request's two chunks run in 2-CTA clusters; in a batch of 64 (512 CTAs,
-    more than are resident at once) on single CTAs. Its bits must not change, nor in a permuted
-    batch or with more workers; and the mode is as accurate as the default one."""
+    """h_q 128: alone a request's one or two chunks run in 2-CTA clusters; in a batch of 64 (65
+    workers, 260 CTAs, more than are resident at once) on single CTAs. Its bits must not change,
+    nor in a permuted batch or with more workers; and the mode is as accurate as the default one."""
     rng = fresh_rng()
     case = _on(inv._pool(rng, fmt, b=64, h_q=128), GPU)
     alone = inv._alone(case)

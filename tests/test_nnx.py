@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
+import jax_sparse_mla as jsm  # noqa: E402
 from jax_sparse_mla import formats  # noqa: E402
 from jax_sparse_mla import nnx as jnnx  # noqa: E402
 
@@ -71,8 +72,8 @@ def test_model1_with_window_equals_dense_mla():
 
 
 def test_batch_invariant_layer():
-    """MLAConfig.batch_invariant reaches the op: its plan has one worker per chunk (3 requests of
-    one chunk: 3 workers, not the CPU default's 8) and the layer still equals dense attention."""
+    """MLAConfig.batch_invariant reaches the op (its plan is made in that mode, with the default
+    worker count: 3 requests of one chunk need only 1) and the layer still equals dense attention."""
     config = jnnx.MLAConfig(**SMALL, index_topk=16, attn_sink=True, batch_invariant=True)
     assert _decode_steps(config, steps=2) < 16
     layer = jnnx.MLAAttention(config, rngs=nnx.Rngs(0))
@@ -83,7 +84,8 @@ def test_batch_invariant_layer():
     hlo = jax.jit(lambda state, *a: nnx.merge(graphdef, state)(*a)).lower(
         state, x, cache, jnp.zeros((3,), jnp.int32), table).compile().as_text()
     plans = [line for line in hlo.splitlines() if 'custom_call_target="jsm_plan"' in line]
-    assert plans and all("(s32[3,8]" in line and "batch_invariant = true" in line for line in plans), plans
+    parts = jsm.default_num_parts(1, config.n_heads)
+    assert plans and all(f"(s32[{parts},8]" in line and "batch_invariant = true" in line for line in plans), plans
     with pytest.raises(TypeError, match="MLAConfig.batch_invariant: expected a Python bool"):
         jnnx.MLAConfig(batch_invariant="yes")
 

@@ -165,8 +165,8 @@ ffi::Error check_sink(const Buf& sink, int64_t b, int64_t h, int64_t* stride) {
     if (jsm_err_.failure()) return jsm_err_; \
   } while (0)
 
-// The plan attributes both plan handlers accept; a batch-invariant plan needs a worker for
-// every chunk of every request.
+// The plan attributes both plan handlers accept; a batch-invariant plan needs a worker
+// boundary between any two chunks of one request.
 inline ffi::Error check_plan_attrs(int64_t batch, int64_t topk, int64_t extra_topk, int64_t num_parts,
                                    bool fit_to_device, bool batch_invariant) {
   if (batch < 1) return invalid("plan: batch must be >= 1, got " + std::to_string(batch));
@@ -175,9 +175,9 @@ inline ffi::Error check_plan_attrs(int64_t batch, int64_t topk, int64_t extra_to
   if (extra_topk < 0) return invalid("plan: extra_topk must be >= 0, got " + std::to_string(extra_topk));
   if (!batch_invariant) return ffi::Error::Success();
   if (fit_to_device) return invalid("plan: a batch-invariant plan cannot be fitted to the device");
-  const int64_t need = batch * max_chunks(static_cast<int>(topk), static_cast<int>(extra_topk));
+  const int64_t need = invariant_parts_needed(batch, static_cast<int>(topk), static_cast<int>(extra_topk));
   if (num_parts < need)
-    return invalid("plan: a batch-invariant plan needs num_parts >= b * max_chunks(topk, extra_topk) = " +
+    return invalid("plan: a batch-invariant plan needs num_parts >= 1 + b * (max_chunks(topk, extra_topk) - 1) = " +
                    std::to_string(need) + ", got " + std::to_string(num_parts));
   return ffi::Error::Success();
 }

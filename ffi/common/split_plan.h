@@ -21,11 +21,14 @@
 //     writes piece p to partial slot num_splits[r] + p (< b + num_parts).
 //
 // Batch-invariant plans (build_invariant_plan) cut request i into chunks of
-// kChunkBlocks blocks instead: chunk k is blocks [k * C, min((k + 1) * C, blocks(i))),
-// one worker row each, in request order, and the rows past the last chunk are empty.
-// A request's pieces (hence its rounding, and the combine's merge order) then depend
-// on its own lengths alone, not on its batch-mates, the batch size or num_parts.
-// Such a plan needs num_parts >= batch * max_chunks(topk, extra_topk).
+// kChunkBlocks blocks: chunk k is blocks [k * C, min((k + 1) * C, blocks(i))), and every
+// chunk is one piece. Workers take runs of chunks in request order, balanced by cost, but
+// a worker never holds two chunks of one request (the kernel would make them one
+// piece): the boundary between a request's chunks is always a worker boundary. A
+// request's pieces (hence its rounding, and the combine's merge order) then depend on
+// its own lengths alone, not on its batch-mates, the batch size or num_parts; which
+// worker computes a chunk changes nothing in its arithmetic.
+// Such a plan needs num_parts >= invariant_parts_needed(b, topk, extra_topk).
 #pragma once
 
 #include <cstdint>
@@ -59,18 +62,25 @@ JSM_HD int main_blocks(int main_len) {
 
 JSM_HD int extra_blocks(int extra_len) { return ceil_div(extra_len, kBlockEntries); }
 
-// Blocks per chunk of a batch-invariant plan: the cost of every piece (its partial written
-// and merged, a CTA started) against balance when few requests fill the GPU. At 16 blocks
-// (1024 entries) a DeepSeek-V3.2 request (top-k 2048, 32 blocks) is two chunks, so b = 64
-// already gives 128 equal CTAs (h_q 64, s_q 1; more with more heads or query rows), a
-// full wave on 132 SMs; 32 would leave half the SMs idle there, 8 would double the
-// partials for little better balance. At b = 1 any fixed size leaves most SMs idle.
-constexpr int kChunkBlocks = 16;
+// Blocks per chunk of a batch-invariant plan: every chunk of a request is its own piece (a
+// partial written and merged), so a chunk should hold a whole ordinary request: at 32
+// blocks (2048 entries) DeepSeek-V3.2's top-k 2048 is one chunk, hence one piece written
+// straight to out, and packing whole requests into workers balances a batch of 64 or more
+// within one request per worker. Smaller chunks would split every such request into
+// partials (16 blocks cost 27% at b = 128 on an H200: benchmarks/RESULTS.md); longer
+// requests are still cut, so their pieces can spread over the workers.
+constexpr int kChunkBlocks = 32;
 
 JSM_HD int chunks_of(int blocks) { return ceil_div(blocks, kChunkBlocks); }
 
 // Chunks of the longest request a call with these list sizes can hold.
 JSM_HD int max_chunks(int topk, int extra_topk) { return chunks_of(main_blocks(topk) + extra_blocks(extra_topk)); }
+
+// Workers a batch-invariant plan needs: one more than the boundaries between chunks of one
+// request that a batch of b requests of full length has.
+JSM_HD int64_t invariant_parts_needed(int64_t batch, int topk, int extra_topk) {
+  return 1 + batch * (max_chunks(topk, extra_topk) - 1);
+}
 
 JSM_HD void clear_row(int32_t* row) {
   for (int k = 0; k < kSchedFields; ++k) row[k] = 0;
@@ -154,28 +164,50 @@ JSM_HD void build_split_plan(int batch, int num_parts, BlocksOf blocks_of, int32
 }
 
 // The batch-invariant plan (see the top of this file). The caller checks that
-// num_parts >= batch * max_chunks(topk, extra_topk); `blocks_of` as in build_split_plan.
+// num_parts >= invariant_parts_needed(batch, topk, extra_topk); `blocks_of` as in
+// build_split_plan. Worker w takes the chunks whose cost midpoints fall in its share
+// ((w, w + 1] * total / num_parts of the cumulative cost), unless a forced boundary
+// comes first or moving on would leave too few workers for the forced boundaries ahead.
 template <typename BlocksOf>
 JSM_HD void build_invariant_plan(int batch, int num_parts, BlocksOf blocks_of, int32_t* sched, int32_t* num_splits) {
-  int w = 0;
+  int64_t total = 0;
+  int forced = 0;  // boundaries between chunks of one request not yet passed
   num_splits[0] = 0;
   for (int r = 0; r < batch; ++r) {
     const int blocks = blocks_of(r), chunks = chunks_of(blocks);
-    for (int k = 0; k < chunks; ++k, ++w) {
-      int32_t* row = sched + static_cast<int64_t>(w) * kSchedFields;
-      const int end = (k + 1) * kChunkBlocks;
-      clear_row(row);
-      row[kBeginReq] = r;
-      row[kEndReq] = r;
-      row[kBeginBlock] = k * kChunkBlocks;
-      row[kEndBlock] = end < blocks ? end : blocks;
-      row[kBeginSplit] = k;
-      row[kIsFirstSplit] = k == 0;
-      row[kIsLastSplit] = k == chunks - 1;
-    }
+    total += blocks + static_cast<int64_t>(chunks) * kPieceOverhead;
+    forced += chunks - 1;
     num_splits[r + 1] = num_splits[r] + chunks;
   }
-  for (; w < num_parts; ++w) set_empty_worker(sched + static_cast<int64_t>(w) * kSchedFields, batch);
+  int w = 0;
+  int64_t cum = 0;  // cost of the chunks before this one
+  int32_t* row = sched;
+  bool empty = true;  // worker w has no chunk yet
+  for (int r = 0; r < batch; ++r) {
+    const int blocks = blocks_of(r), chunks = chunks_of(blocks);
+    for (int k = 0; k < chunks; ++k) {
+      const int end = (k + 1) * kChunkBlocks < blocks ? (k + 1) * kChunkBlocks : blocks;
+      const int64_t cost = end - k * kChunkBlocks + kPieceOverhead;
+      const bool must = k > 0;  // joining chunk k - 1's worker would merge two pieces
+      forced -= must;
+      const bool past_share = 2 * cum * num_parts + cost * num_parts > 2 * static_cast<int64_t>(w + 1) * total;
+      if (empty || must || (past_share && w + 1 + forced < num_parts)) {
+        if (!empty) ++w;
+        row = sched + static_cast<int64_t>(w) * kSchedFields;
+        clear_row(row);
+        row[kBeginReq] = r;
+        row[kBeginBlock] = k * kChunkBlocks;
+        row[kBeginSplit] = k;
+        row[kIsFirstSplit] = k == 0;
+        empty = false;
+      }
+      row[kEndReq] = r;
+      row[kEndBlock] = end;
+      row[kIsLastSplit] = k == chunks - 1;
+      cum += cost;
+    }
+  }
+  for (++w; w < num_parts; ++w) set_empty_worker(sched + static_cast<int64_t>(w) * kSchedFields, batch);
 }
 
 // The plan of either mode (batch_invariant: build_invariant_plan, else build_split_plan).

@@ -22,15 +22,17 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.69314718055994531f;
 
 // Where the time goes, for kernel work only: build with -DJSM_TIMING_EXPERIMENT=1 to skip
-// the cache loads or =2 to skip the MMAs (results are then wrong). A compile-time
-// constant: a shipped build has no trace of it.
+// the cache loads, =2 to skip the MMAs, =3 to skip both, =4 to have the producer write
+// nothing (it only signals each buffer full: the consumers' chain alone). Results are then
+// wrong. A compile-time constant: a shipped build has no trace of it.
 #ifdef JSM_TIMING_EXPERIMENT
 constexpr int kTimingExperiment = JSM_TIMING_EXPERIMENT;
 #else
 constexpr int kTimingExperiment = 0;
 #endif
-constexpr bool kSkipLoads = kTimingExperiment == 1;
-constexpr bool kSkipMma = kTimingExperiment == 2;
+constexpr bool kSkipStores = kTimingExperiment == 4;
+constexpr bool kSkipLoads = kTimingExperiment == 1 || kTimingExperiment == 3 || kSkipStores;
+constexpr bool kSkipMma = kTimingExperiment == 2 || kTimingExperiment == 3;
 
 struct Params {
   const uint16_t* q;

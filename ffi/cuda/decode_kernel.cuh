@@ -226,6 +226,7 @@ __device__ __forceinline__ void tile_scales(const uint4& s, uint32_t (&scale2)[F
 template <KVFormat F, bool kPeer>
 __device__ __forceinline__ void store_token(const RawToken<F>& raw, uint8_t* kt, uint32_t peer_kt, uint32_t peer_full,
                                             int tok, int q4) {
+  if (kSkipStores) return;
   constexpr int GS = Smem<F>::kGroupStride;
   uint8_t* dst = kt + tok * 16;
   const uint32_t peer_dst = peer_kt + tok * 16;
@@ -357,10 +358,10 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
     const uint32_t v = __ballot_sync(0xffffffffu, cur.data != nullptr) & 0xffu;
     if (lane == 0) {
       *reinterpret_cast<uint32_t*>(smem + valid_word + 32 * buf) = v;
-      st_async_u32(peer + valid_word + 32 * buf, v, peer + full);
+      if (!kSkipStores) st_async_u32(peer + valid_word + 32 * buf, v, peer + full);
     }
     // This CTA's barrier: the local producers' arrivals plus the peer's st.async bytes.
-    if (t == 0) {
+    if (t == 0 && !kSkipStores) {
       mbar_arrive_expect_tx(sb + full, kPeerBytes<F>);
     } else {
       mbar_arrive(sb + full);

@@ -11,10 +11,12 @@ DECODE_TARGET = "jsm_decode"
 COMBINE_TARGET = "jsm_combine"
 # Custom-call names a `jax.export` user must list in `disabled_checks`.
 TARGETS = (PLAN_TARGET, DECODE_TARGET, COMBINE_TARGET)
-# Batch-invariant plans (split_plan.h): blocks per chunk, and max_chunks(topk, extra_topk), the
-# chunks of the longest request a call can hold (its worker count is b * max_chunks).
+# Batch-invariant plans (split_plan.h): blocks per chunk, max_chunks(topk, extra_topk) (the
+# chunks of the longest request a call can hold) and invariant_parts_needed(b, topk,
+# extra_topk), the fewest workers such a plan can have: 1 + b * (max_chunks - 1).
 CHUNK_BLOCKS = int(_ext.CHUNK_BLOCKS)
 max_chunks = _ext.max_chunks
+invariant_parts_needed = _ext.invariant_parts_needed
 
 
 def _register() -> bool:

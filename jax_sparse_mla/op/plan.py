@@ -94,11 +94,14 @@ def plan_decode(
     fitted on CUDA to the SM count of the GPU that runs it. An explicit value is
     used as is (useful to force many small pieces).
 
-    `batch_invariant`: every request is cut into fixed chunks of its own blocks, one
-    worker each, so its `out`/`lse` do not depend on the other requests, the batch
-    size, `num_parts` or the sharding (README "Reproducibility"). The worker count is
-    then `b * max_chunks` (the chunks of a request of full `topk` + `extra_topk`); a
-    larger `num_parts` only adds empty workers.
+    `batch_invariant`: every request is cut into fixed chunks of its own blocks (32
+    blocks, 2048 entries: a V3.2 top-k of 2048 is one chunk), each one piece, so its
+    `out`/`lse` do not depend on the other requests, the batch size, `num_parts` or the
+    sharding (README "Reproducibility"). Workers take whole chunks; two chunks of one
+    request never share a worker, so at least `1 + b * (max_chunks - 1)` workers are
+    needed (`max_chunks`: the chunks of a request of full `topk` + `extra_topk`). Default
+    `num_parts`: the larger of that and `default_num_parts(s_q, h_q)` (not fitted to
+    the device: the plan is the same everywhere, though the bits would not change).
     """
     _checks.check_static_bool("batch_invariant", batch_invariant)
     b, s_q, h_q, _ = _checks.check_q_shape(q)
@@ -110,7 +113,7 @@ def plan_decode(
         raise ValueError("extra_topk_length: given without extra_indices")
     fit = num_parts is None and not batch_invariant
     if batch_invariant:
-        num_parts = _invariant_num_parts(b, topk, extra_topk, num_parts)
+        num_parts = _invariant_num_parts(b, s_q, h_q, topk, extra_topk, num_parts, config)
     elif num_parts is None:
         num_parts = default_num_parts(s_q, h_q, config)
     if not isinstance(num_parts, (int, np.integer)) or not 1 <= num_parts <= MAX_NUM_PARTS:
@@ -140,21 +143,21 @@ def plan_decode(
                       batch_invariant=batch_invariant)
 
 
-def _invariant_num_parts(b: int, topk: int, extra_topk: int, num_parts) -> int:
-    """The worker count of a batch-invariant plan: one per chunk of every request, or the
-    caller's `num_parts` if that is larger."""
-    chunks = _ffi.max_chunks(topk, extra_topk)
-    need = b * chunks
+def _invariant_num_parts(b: int, s_q: int, h_q: int, topk: int, extra_topk: int, num_parts, config) -> int:
+    """The worker count of a batch-invariant plan: the caller's `num_parts`, or the larger of
+    the fewest it can have and the default count."""
+    need = _ffi.invariant_parts_needed(b, topk, extra_topk)
     if need > MAX_NUM_PARTS:
         raise ValueError(
-            f"batch_invariant: b={b} requests of up to {chunks} chunks need {need} workers, more than "
-            f"{MAX_NUM_PARTS}; decode fewer requests per call")
+            f"batch_invariant: b={b} requests of up to {_ffi.max_chunks(topk, extra_topk)} chunks need {need} "
+            f"workers, more than {MAX_NUM_PARTS}; decode fewer requests per call")
     if num_parts is None:
-        return need
+        return max(need, default_num_parts(s_q, h_q, config))
     if isinstance(num_parts, (int, np.integer)) and num_parts < need:
         raise ValueError(
-            f"num_parts: a batch-invariant plan has one worker per chunk of {_ffi.CHUNK_BLOCKS} blocks, "
-            f"b * {chunks} = {need} here; expected num_parts >= {need} (or None), got {num_parts}")
+            f"num_parts: a batch-invariant plan gives each chunk of {_ffi.CHUNK_BLOCKS} blocks of a request its own "
+            f"worker, so it needs 1 + b * (max_chunks - 1) = {need} workers here; expected num_parts >= {need} "
+            f"(or None), got {num_parts}")
     return num_parts
 
 
