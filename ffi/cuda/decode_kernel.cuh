@@ -41,8 +41,8 @@ constexpr int kConsumers = 256;
 constexpr int kConsumerWarps = kConsumers / 32;
 constexpr int kProducers = 128;
 // Registers per thread after reallocation; the launch gives 168 (65536 / 384, a multiple
-// of 8), and 128 * (192 + 160 + 152) = 384 * 168. (ptxas compiles the whole kernel under
-// the launch count: a 64x256 wgmma needs about 158, so four warpgroups do not fit.)
+// of 8), so the three counts sum to at most 3 * 168 = 504 (`.inc` waits for registers the
+// others released). ptxas allocates each role's code within its own count.
 constexpr int kRegsQK = 192;
 constexpr int kRegsPV = 160;
 constexpr int kRegsProducer = 152;
