@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
 # Logs go to $OUT (the device tool brings them back); a short summary is printed last.
-#   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+#   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck harness" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 # Stage `anchor` is the yardstick against FlashMLA (kernel time of both on identical inputs):
 # it needs a copy of FlashMLA's measuring harness in .anchor/ (not part of the repository; git-ignored,
 # carried to the device) and runs .anchor/ktime.sh on $KSHAPES (docs/performance.md).
@@ -146,6 +146,20 @@ if has racecheck; then  # shared-memory races and barrier misuse
       >"$OUT/$tool.log" 2>&1
     summary+=("$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)")
   done
+fi
+
+if has harness; then  # the sanitizers on the decode kernel alone (sanitizer_repro/decode_harness.cu: no JAX)
+  stamp harness
+  inc=$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")
+  if nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I"$inc" -Iffi \
+      -o /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu ffi/cuda/decode_launch.cu >"$OUT/harness_build.log" 2>&1; then
+    for tool in memcheck racecheck synccheck; do
+      timeout ${HARNESS_T:-120} compute-sanitizer --tool $tool --print-limit 20 /tmp/decode_harness >"$OUT/harness_$tool.log" 2>&1
+      summary+=("harness $tool (rc $?): $(grep -E 'HARNESS|ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/harness_$tool.log" | tr '\n' ' ')")
+    done
+  else
+    tail -20 "$OUT/harness_build.log"; summary+=("harness: build FAILED")
+  fi
 fi
 
 stamp done
