@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 import jax_sparse_mla as jsm
 from jax_sparse_mla import sharding
 from jax_sparse_mla.op import _ffi
-from tests.utils import fresh_rng, make_case
+from tests.utils import fresh_rng, make_case, request_blocks
 
 C = _ffi.CHUNK_BLOCKS
 ENTRIES = 64  # list entries per block (split_plan.h)
@@ -147,13 +147,6 @@ def test_plan_chunks():
         _check_plan(rng, balanced=True)
 
 
-def _blocks(lens, topk, extra_lens, extra_topk):
-    blocks = np.maximum(-(-np.clip(lens, 0, topk) // ENTRIES), 1)
-    if extra_topk:
-        blocks = blocks + -(-np.clip(extra_lens, 0, extra_topk) // ENTRIES)
-    return [int(x) for x in blocks]
-
-
 def _check_plan(rng, balanced=False):
     b = int(rng.integers(1, 7)) if not balanced else int(rng.integers(20, 300))
     topk = int(rng.integers(1, 5000)) if not balanced else int(rng.integers(1, C * ENTRIES + 1))
@@ -166,7 +159,7 @@ def _check_plan(rng, balanced=False):
                  extra_topk_length=jnp.asarray(extra_lens)) if extra_topk else {}
     max_blocks = max(math.ceil(topk / ENTRIES), 1) + math.ceil(extra_topk / ENTRIES)
     need = 1 + b * (math.ceil(max_blocks / C) - 1)
-    blocks = _blocks(lens, topk, extra_lens, extra_topk)
+    blocks = [int(n) for n in request_blocks(lens, topk, extra_lens, extra_topk)]
     chunks = [math.ceil(n / C) for n in blocks]
     for num_parts in (None, need + int(rng.integers(0, 9))):
         plan = jsm.plan_decode(q, idx, topk_length=jnp.asarray(lens), num_parts=num_parts, batch_invariant=True,

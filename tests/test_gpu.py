@@ -32,6 +32,7 @@ from tests.utils import (
     make_case,
     np_logit_sensitivity,
     np_sparse_mla_decode,
+    request_blocks,
     soften,
 )
 
@@ -237,9 +238,9 @@ def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts):
     out, lse = _decode(**call_case, plan=plan)
     ref_out, ref_lse = _reference(**call_case)
     out, lse, ref_out, ref_lse = _np(out), np.asarray(lse), _np(ref_out), np.asarray(ref_lse)
-    extra_blocks = (-(-np.asarray(extra) // 64)) if extra is not None else np.zeros(b, int)
-    blocks_old = np.maximum(-(-old // 64), 1) + extra_blocks
-    blocks_new = np.maximum(-(-new // 64), 1) + extra_blocks
+    extra_topk = 0 if extra is None else int(np.max(extra))
+    blocks_old = request_blocks(old, topk, extra, extra_topk)
+    blocks_new = request_blocks(new, topk, extra, extra_topk)
     for r in range(b):
         if np.isnan(out[r]).any() or np.isnan(lse[r]).any():
             assert np.isnan(out[r]).all() and np.isnan(lse[r]).all(), f"request {r}: partly NaN"

@@ -16,6 +16,7 @@ from tests.utils import (
     conformance_kwargs,
     load_conformance,
     make_case,
+    request_blocks,
 )
 
 V32, MODEL1 = jsm.KVFormat.V32, jsm.KVFormat.MODEL1
@@ -161,9 +162,7 @@ def test_plan_covers_every_block():
         plan = jsm.plan_decode(q, idx, topk_length=jnp.asarray(lens), extra_indices=eidx,
                                extra_topk_length=jnp.asarray(elens) if extra_topk else None, num_parts=num_parts)
         sched, num_splits = np.asarray(plan.sched), np.asarray(plan.num_splits)
-        clamp = np.clip(lens, 0, topk)
-        eclamp = np.clip(elens, 0, extra_topk) if extra_topk else np.zeros(b, int)
-        blocks = np.maximum(-(-clamp // 64), 1) + (-(-eclamp // 64))
+        blocks = request_blocks(lens, topk, elens, extra_topk)
         done = [[] for _ in range(b)]
         pieces = [[] for _ in range(b)]
         for row in sched:

@@ -1,6 +1,6 @@
 """Shared test helpers, one module per kind: `tolerances` (docs/numerics.md), `conformance`
 (FlashMLA's vectors), `np_formats` and `np_reference` (independent NumPy implementations of the
-cache formats and of the op, in float64), `cases` (random cases) and `layouts` (multi-device
+cache formats and of the op, in float64), `cases` (random cases), `schedule` (block counts) and `layouts` (multi-device
 layouts and the compiled-program check for collectives). Their public names are re-exported here.
 
 The NumPy code deliberately shares nothing with ``jax_sparse_mla``: it follows docs/formats.md
@@ -10,6 +10,7 @@ and docs/numerics.md directly.
 from tests.utils.cases import SOFTEN_SHIFT, fresh_rng, make_case, random_keys, soften
 from tests.utils.conformance import CONFORMANCE_DIR, conformance_files, conformance_kwargs, load_conformance
 from tests.utils.layouts import collectives, largest_divisor, mesh_layouts
+from tests.utils.schedule import request_blocks
 from tests.utils.np_formats import (
     BF16,
     FP8,
