@@ -107,8 +107,9 @@ def test_heads(fmt, h_q):
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 @pytest.mark.parametrize("s_q", [1, 2, 3, 4])
-def test_query_rows(fmt, s_q):
-    case = make_case(fresh_rng(), fmt, b=3, s_q=s_q, h_q=64, topk=133, page_size=61, num_blocks=9, with_lengths=True)
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_query_rows(fmt, s_q, h_q):
+    case = make_case(fresh_rng(), fmt, b=3, s_q=s_q, h_q=h_q, topk=133, page_size=61, num_blocks=9, with_lengths=True)
     _check(case)
 
 
@@ -137,8 +138,9 @@ def test_lengths_zero_and_full(fmt):
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
-def test_extra_cache(fmt):
-    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=64, topk=50, page_size=64, num_blocks=4, extra_topk=150,
+@pytest.mark.parametrize("h_q", [16, 64])  # the few-heads kernel and the 64-row one
+def test_extra_cache(fmt, h_q):
+    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=h_q, topk=50, page_size=64, num_blocks=4, extra_topk=150,
                      extra_page_size=17, extra_num_blocks=20, with_lengths=True, with_sink=True)
     _check(case)
 
@@ -158,9 +160,10 @@ def test_sinks_with_infinities():
     assert np.all(_np(out)[:, :, 0] == 0)
 
 
-def test_empty_rows_and_garbage_indices():
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_empty_rows_and_garbage_indices(h_q):
     rng = fresh_rng()
-    case = make_case(rng, V32, b=3, s_q=2, h_q=64, topk=80, page_size=64, num_blocks=4, with_sink=True)
+    case = make_case(rng, V32, b=3, s_q=2, h_q=h_q, topk=80, page_size=64, num_blocks=4, with_sink=True)
     n_tokens = 4 * 64
     bad = np.array([-1, -2**31, n_tokens, n_tokens + 7, 2**31 - 1], np.int32)
     idx = np.asarray(case["indices"]).copy()
@@ -184,8 +187,9 @@ def test_duplicates_count_twice():
 
 @pytest.mark.parametrize("num_parts", [1, 3, 17, 64, 300])
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
-def test_many_splits(fmt, num_parts):
-    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=64, topk=300, page_size=64, num_blocks=16,
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_many_splits(fmt, num_parts, h_q):
+    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=h_q, topk=300, page_size=64, num_blocks=16,
                      extra_topk=70 if fmt == MODEL1 else 0, extra_page_size=64, extra_num_blocks=4,
                      with_lengths=True, with_sink=True)
     plan = _plan(_on(case, GPU), num_parts=num_parts)
@@ -214,7 +218,8 @@ def _with_lengths(case, lengths, extra_lengths=None):
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 @pytest.mark.parametrize("num_parts", [3, 11, 40])
-def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts):
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts, h_q):
     """A plan made for other lengths than the call's: the CUDA handler cannot refuse it
     without a host sync, so every request comes out either right (the plan still covers
     its blocks) or NaN in out and lse, never finite and wrong; where the block counts of
@@ -223,7 +228,7 @@ def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts):
     b, topk = 5, 320
     # Every list entry is a real token (no lengths in the case itself: an entry past a length
     # may point at NaN bytes, which longer lengths here would then read).
-    case = soften(make_case(rng, fmt, b=b, s_q=2, h_q=64, topk=topk, page_size=64, num_blocks=40,
+    case = soften(make_case(rng, fmt, b=b, s_q=2, h_q=h_q, topk=topk, page_size=64, num_blocks=40,
                             extra_topk=100 if fmt == MODEL1 else 0, extra_page_size=64, extra_num_blocks=8,
                             with_sink=True))
     old = rng.integers(0, topk + 1, size=b)
@@ -261,12 +266,13 @@ def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts):
 
 
 @pytest.mark.parametrize("seed_offset", range(4))
-def test_garbage_plan_arrays_stay_in_bounds(seed_offset):
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_garbage_plan_arrays_stay_in_bounds(seed_offset, h_q):
     """Hand-made plan arrays with any values: the call completes (compute-sanitizer's
     memcheck run in benchmarks/gpu_smoke.py --sanitize checks that nothing is read or
     written out of bounds), and the result is finite-or-NaN garbage, not a crash."""
     rng = fresh_rng()
-    case = _on(soften(make_case(rng, MODEL1, b=3, s_q=2, h_q=64, topk=100, page_size=61, num_blocks=6,
+    case = _on(soften(make_case(rng, MODEL1, b=3, s_q=2, h_q=h_q, topk=100, page_size=61, num_blocks=6,
                                 extra_topk=40, extra_page_size=17, extra_num_blocks=5, with_lengths=True)), GPU)
     plan = _plan(case, num_parts=7)
     lo, hi = [(-3, 4), (-2**31, 2**31 - 1), (0, 200), (-1, 1)][seed_offset]
@@ -364,11 +370,12 @@ def test_non_power_of_two_v32_scales():
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
-def test_unscaled_make_case_data(fmt):
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_unscaled_make_case_data(fmt, h_q):
     """make_case's own magnitudes (|V| up to ~9): lse within the tolerances, out within the bound that
     bf16 probabilities allow (2^-9 * max|V| ~ 0.018, the relative term, and the
     whole-tensor cosine check; docs/numerics.md)."""
-    case = _on(make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=64, topk=300, page_size=64, num_blocks=16,
+    case = _on(make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=h_q, topk=300, page_size=64, num_blocks=16,
                          with_lengths=True, with_sink=True), GPU)
     out, lse = _decode(**case, plan=_plan(case, num_parts=7))
     ref_out, ref_lse = _reference(**case)
@@ -383,10 +390,11 @@ def test_unscaled_make_case_data(fmt):
 # ---- GPU-only properties ------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
-def test_gpu_agrees_with_cpu(fmt):
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_gpu_agrees_with_cpu(fmt, h_q):
     """Identical inputs and plan on the CUDA and CPU handlers: same results within the
     tolerances (docs/numerics.md)."""
-    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=64, topk=200, page_size=64, num_blocks=12,
+    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=h_q, topk=200, page_size=64, num_blocks=12,
                      extra_topk=64 if fmt == MODEL1 else 0, extra_page_size=32, extra_num_blocks=4,
                      with_lengths=True, with_sink=True)
     case = soften(case)

@@ -1,6 +1,7 @@
 // The CUDA decode kernel launched on its own, without JAX, for compute-sanitizer: random
 // cache bytes (NaN codes included), garbage indices (negative, past the cache), random
-// lengths, sinks, an extra cache, solo and paired CTAs (16, 64, 128 heads), aligned and
+// lengths, sinks, an extra cache, the few-heads kernel (16 heads), solo CTAs (16 under a
+// batch-invariant plan, 32, 64 heads) and paired CTAs (128), aligned and
 // unaligned MODEL1 pages, the default plan, 7 parts, the batch-invariant plan and garbage
 // plans. It checks nothing numeric (tests/test_gpu.py does): a run passes when every launch
 // returns and the sanitizer reports nothing. Under the JAX process compute-sanitizer itself
@@ -118,6 +119,7 @@ bool run(const Case& c) {
   dp.extra_num_tokens = extra_tokens;
   dp.sm_scale = 0.05f;
   dp.has_sink = true;
+  dp.batch_invariant = c.plan == 2;
   dp.q = to_device(q);
   dp.kv = to_device(cache_bytes(c.format, tokens));
   dp.indices = to_device(garbage_indices(static_cast<int64_t>(b) * c.s_q * c.topk, tokens));
@@ -149,12 +151,16 @@ bool run(const Case& c) {
 
 int main() {
   const Case cases[] = {
-      {"V32 h16 solo, default plan", KVFormat::kV32, 3, 2, 16, 200, 0, 64, 64, 6, 0, 0},
+      {"V32 h16 few-heads kernel, default plan", KVFormat::kV32, 3, 2, 16, 200, 0, 64, 64, 6, 0, 0},
+      {"V32 h16 few-heads kernel, garbage plan, extra cache", KVFormat::kV32, 5, 2, 16, 130, 40, 64, 5, 5, 9, 3},
+      {"V32 h16 solo (batch-invariant plan)", KVFormat::kV32, 4, 1, 16, 2200, 0, 64, 64, 40, 0, 2},
+      {"V32 h32 solo, 7 parts", KVFormat::kV32, 3, 2, 32, 150, 70, 64, 5, 5, 20, 1},
       {"V32 h64 solo, 7 parts, extra cache", KVFormat::kV32, 3, 2, 64, 150, 70, 64, 5, 5, 20, 1},
       {"V32 h128 pairs, default plan, extra cache", KVFormat::kV32, 4, 2, 128, 300, 90, 64, 17, 8, 9, 0},
       {"V32 h128 pairs, batch-invariant plan", KVFormat::kV32, 4, 1, 128, 2200, 0, 64, 64, 40, 0, 2},
       {"V32 h128 pairs, garbage plan", KVFormat::kV32, 5, 2, 128, 130, 40, 64, 5, 5, 9, 3},
-      {"MODEL1 h16 solo, pages of 61, extra of 17", KVFormat::kModel1, 3, 2, 16, 100, 90, 61, 17, 6, 12, 0},
+      {"MODEL1 h16 few-heads kernel, pages of 61, extra of 17", KVFormat::kModel1, 3, 2, 16, 100, 90, 61, 17, 6, 12, 0},
+      {"MODEL1 h16 few-heads kernel, garbage plan", KVFormat::kModel1, 5, 2, 16, 130, 40, 61, 5, 5, 9, 3},
       {"MODEL1 h64 solo, 7 parts", KVFormat::kModel1, 3, 3, 64, 128, 0, 64, 64, 8, 0, 1},
       {"MODEL1 h128 pairs, default plan, extra cache", KVFormat::kModel1, 4, 2, 128, 300, 70, 64, 64, 8, 4, 0},
       {"MODEL1 h128 pairs, pages of 61, garbage plan", KVFormat::kModel1, 5, 2, 128, 130, 40, 61, 5, 5, 9, 3},

@@ -42,7 +42,8 @@ auto bind_plan(B b) {
 
 // jsm_decode(q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
 //            extra_topk_length, attn_sink, sched, num_splits)
-//   attrs: sm_scale (f32), kv_format (i32), page_size, extra_page_size, has_sink
+//   attrs: sm_scale (f32), kv_format (i32), page_size, extra_page_size, has_sink,
+//          batch_invariant (the plan is batch-invariant: one kernel for every head count)
 //   -> out[b,s_q,h_q,512] bf16, lse[b,h_q,s_q] f32,
 //      out_accum[b+P,s_q,h_q,512] f32, lse_accum[b+P,s_q,h_q] f32
 template <typename B>
@@ -63,6 +64,7 @@ auto bind_decode(B b) {
       .template Attr<int64_t>("page_size")
       .template Attr<int64_t>("extra_page_size")
       .template Attr<bool>("has_sink")
+      .template Attr<bool>("batch_invariant")
       .template Ret<ffi::AnyBuffer>()              // out (bf16)
       .template Ret<ffi::Buffer<ffi::F32>>()       // lse
       .template Ret<ffi::Buffer<ffi::F32>>()       // out_accum
@@ -94,6 +96,7 @@ struct DecodeProblem {
   int64_t num_tokens, extra_num_tokens;  // valid index range of each cache
   float sm_scale;
   bool has_sink;
+  bool batch_invariant;  // results must not depend on h_q either (no few-heads kernel)
   const uint16_t* q;           // bf16 bits [b, s_q, h_q, d_qk]
   const uint8_t* kv;
   const int32_t* indices;      // [b, s_q, topk]
@@ -186,8 +189,8 @@ inline ffi::Error make_decode_problem(
     ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> topk_length,
     ffi::AnyBuffer extra_kv, ffi::Buffer<ffi::S32> extra_indices, ffi::Buffer<ffi::S32> extra_topk_length,
     ffi::Buffer<ffi::F32> attn_sink, ffi::Buffer<ffi::S32> sched, ffi::Buffer<ffi::S32> num_splits, float sm_scale,
-    int32_t kv_format, int64_t page_size, int64_t extra_page_size, bool has_sink, ffi::Result<ffi::AnyBuffer> out,
-    ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::F32>> out_accum,
+    int32_t kv_format, int64_t page_size, int64_t extra_page_size, bool has_sink, bool batch_invariant,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::F32>> out_accum,
     ffi::Result<ffi::Buffer<ffi::F32>> lse_accum, DecodeProblem* p) {
   if (kv_format != 0 && kv_format != 1) return invalid("kv_format must be 0 (V32) or 1 (MODEL1)");
   p->format = static_cast<KVFormat>(kv_format);
@@ -233,6 +236,7 @@ inline ffi::Error make_decode_problem(
   p->extra_page_size = extra_page_size;
   p->sm_scale = sm_scale;
   p->has_sink = has_sink;
+  p->batch_invariant = batch_invariant;
   p->q = reinterpret_cast<const uint16_t*>(q.untyped_data());
   p->kv = reinterpret_cast<const uint8_t*>(kv.untyped_data());
   p->indices = indices.typed_data();

@@ -247,39 +247,41 @@ __device__ __forceinline__ void store_token(const RawToken<F>& raw, uint8_t* kt,
   for (int r = 0; r < 2; ++r) put(Fmt<F>::kNope / 8 + 4 * r + q4, raw.rope[r]);
 }
 
-// Producer of a CTA on its own: thread t (0..127) handles entries slot and slot + 32 of
-// every block, 16 bytes of each 64-byte span (q4): a warp instruction reads 64
-// contiguous bytes of 8 entries and writes 4 x 128 contiguous bytes of the tile.
-// Two entries take the registers, so a block's bytes are loaded when it is its turn;
-// the next block's are prefetched into L2 a block earlier, their indices two earlier.
-template <KVFormat F, bool kAligned>
-__device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
-  using L = Smem<F>;
-  const int t = threadIdx.x - kConsumers;
+// Producer warpgroup `part` of a CTA on its own: with kEntries = 2 (one producer
+// warpgroup) thread t handles entries slot and slot + 32 of every block; with kEntries = 1
+// (two) entry 32 part + slot. 16 bytes of each 64-byte span (q4): a warp instruction reads
+// 64 contiguous bytes of 8 entries and writes 4 x 128 contiguous bytes of the tile. A
+// block's bytes are loaded when it is its turn; the next block's are prefetched into L2 a
+// block earlier, their indices two earlier.
+// `t`: the thread's index in its warpgroup; `L`: the shared-memory layout (its K tiles,
+// valid words and barriers).
+template <KVFormat F, bool kAligned, int kEntries, typename L = Smem<F>>
+__device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem,
+                                             int part, int t) {
   const int pw = t >> 5;
   const int lane = t & 31;
-  const int slot = 8 * pw + (lane & 7);
+  const int slot = 32 * part + 8 * pw + (lane & 7);
   const int q4 = lane >> 3;
   uint32_t* valid_words = reinterpret_cast<uint32_t*>(smem + L::kValid);
 
   Cursor c;
   cursor_enter(c, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
-  TokenRef cur[2];  // block n
+  TokenRef cur[kEntries];  // block n
 #pragma unroll
-  for (int e = 0; e < 2; ++e) cur[e] = resolve_entry<F>(load_entry(c, p, s, w.end_req, slot + 32 * e), p);
+  for (int e = 0; e < kEntries; ++e) cur[e] = resolve_entry<F>(load_entry(c, p, s, w.end_req, slot + 32 * e), p);
   cursor_advance(c, p, w.end_req, w.end_block);
   bool has_next = c.r <= w.end_req;
-  EntryIndex idx[2];  // block n + 1
+  EntryIndex idx[kEntries];  // block n + 1
 #pragma unroll
-  for (int e = 0; e < 2; ++e) idx[e] = load_entry(c, p, s, w.end_req, slot + 32 * e);
+  for (int e = 0; e < kEntries; ++e) idx[e] = load_entry(c, p, s, w.end_req, slot + 32 * e);
   cursor_advance(c, p, w.end_req, w.end_block);  // c: block n + 2
 
   for (int n = 0;; ++n) {
-    RawToken<F> raw[2];
-    TokenRef nxt[2];
-    EntryIndex idx2[2];
+    RawToken<F> raw[kEntries];
+    TokenRef nxt[kEntries];
+    EntryIndex idx2[kEntries];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
+    for (int e = 0; e < kEntries; ++e) {
       load_token<F, kAligned>(cur[e], q4, raw[e]);
       nxt[e] = resolve_entry<F>(idx[e], p);
       prefetch_token_l2<F>(nxt[e], q4);
@@ -290,10 +292,10 @@ __device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int
     uint8_t* kt = smem + L::kK + buf * L::kTile;
     mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
+    for (int e = 0; e < kEntries; ++e) {
       store_token<F, false>(raw[e], kt, 0, 0, slot + 32 * e, q4);
       const uint32_t v = __ballot_sync(0xffffffffu, cur[e].data != nullptr) & 0xffu;  // lanes 0..7: entries slot ..
-      if (lane == 0) valid_words[8 * buf + 4 * e + pw] = v;
+      if (lane == 0) valid_words[8 * buf + 4 * (part + e) + pw] = v;
     }
     mbar_arrive(sb + L::kFull + 8 * buf);  // (the consumers make the tile visible to wgmma)
 
@@ -301,7 +303,7 @@ __device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int
     has_next = c.r <= w.end_req;
     cursor_advance(c, p, w.end_req, w.end_block);
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
+    for (int e = 0; e < kEntries; ++e) {
       cur[e] = nxt[e];
       idx[e] = idx2[e];
     }
@@ -777,7 +779,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
     if (kCluster > 1) {
       produce_pair<F, kAligned>(p, w, s, sb, peer, smem);
     } else {
-      produce_solo<F, kAligned>(p, w, s, sb, smem);
+      produce_solo<F, kAligned, 2>(p, w, s, sb, smem, 0, threadIdx.x - kConsumers);
     }
   } else if (wg == 0) {
     setmaxnreg_inc<kRegsQK>();

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/decode_kernel.cuh"
+#include "cuda/decode_small.cuh"
 
 namespace jsm {
 namespace cuda {
@@ -39,8 +40,17 @@ ffi::Error allow_smem() {
   return e == cudaSuccess ? ffi::Error::Success() : cuda_failure("cudaFuncSetAttribute(decode_kernel)", e);
 }
 
+template <KVFormat F, int H, bool kAligned>
+ffi::Error allow_smem_small() {
+  const cudaError_t e = cudaFuncSetAttribute(decode_kernel_small<F, H, kAligned>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, SmemSmall<F, H>::kBytes);
+  return e == cudaSuccess ? ffi::Error::Success() : cuda_failure("cudaFuncSetAttribute(decode_kernel_small)", e);
+}
+
 template <KVFormat F>
 ffi::Error set_up_device(DeviceSetup& d) {
+  JSM_RETURN_IF_ERROR((allow_smem_small<F, kSmallHeads, false>()));
+  JSM_RETURN_IF_ERROR((allow_smem_small<F, kSmallHeads, true>()));
   JSM_RETURN_IF_ERROR((allow_smem<F, 1, false>()));
   JSM_RETURN_IF_ERROR((allow_smem<F, 1, true>()));
   JSM_RETURN_IF_ERROR((allow_smem<F, 2, false>()));
@@ -56,8 +66,19 @@ ffi::Error set_up_device(DeviceSetup& d) {
   return ffi::Error::Success();
 }
 
+// Up to kSmallHeads heads (a tensor-parallel shard of 8): the transposed kernel
+// (decode_small.cuh), one CTA per (worker, query row). Not for a batch-invariant plan: its
+// results must equal those heads of a wider call bit for bit, and another kernel rounds
+// differently.
+bool use_small_kernel(const DecodeProblem& dp) { return dp.h_q <= kSmallHeads && !dp.batch_invariant; }
+
 template <KVFormat F, bool kAligned>
 ffi::Error launch_variant(const DecodeProblem& dp, const Params& p, bool pairs, cudaStream_t stream) {
+  if (use_small_kernel(dp)) {
+    decode_kernel_small<F, kSmallHeads, kAligned>
+        <<<dim3(dp.num_parts, dp.s_q, 1), kSmallThreads, SmemSmall<F, kSmallHeads>::kBytes, stream>>>(p);
+    return check_launch("decode_kernel_small");
+  }
   const int groups = (dp.h_q + kRows - 1) / kRows;
   if (!pairs) {
     const dim3 grid(dp.num_parts, dp.s_q, groups);

@@ -161,5 +161,20 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float* d, const uint32_t*
       : "memory");
 }
 
+// The narrow product of the few-heads kernel (decode_small.cuh): D(64x16, fp32, 8
+// accumulators a thread) += A(64x16, smem) B(16x16, smem). kTransA: A stored M-major (the
+// transposed V of O^T = V^T P^T); B is K-major.
+#define JSM_ACC8_REGS "{%0, %1, %2, %3, %4, %5, %6, %7}"
+
+template <int kTransA>
+__device__ __forceinline__ void wgmma_m64n16k16_ss(float* d, uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " JSM_ACC8_REGS ", %8, %9, p, %11, %12, %13, %14;\n}\n"
+      : JSM_ACC8(JSM_INOUT, d)
+      : "l"(desc_a), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA), "n"(kScaleB), "n"(kTransA), "n"(kKMajor)
+      : "memory");
+}
+
 }  // namespace cuda
 }  // namespace jsm

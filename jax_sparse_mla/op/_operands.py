@@ -78,7 +78,7 @@ class DecodeStatic:
         """The attributes of the `jsm_decode` call, in `bind_decode`'s order."""
         return dict(sm_scale=np.float32(self.sm_scale), kv_format=np.int32(self.fmt.code),
                     page_size=np.int64(self.page_size), extra_page_size=np.int64(self.extra_page_size),
-                    has_sink=bool(self.has_sink))
+                    has_sink=bool(self.has_sink), batch_invariant=bool(self.batch_invariant))
 
     def factors(self) -> DecodeOperands:
         """The Shardy factors of this call's operands (plan entries None without a plan)."""
