@@ -48,7 +48,8 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 }
 
 // Arrival on an mbarrier of any CTA of the cluster with no ordering of this thread's
-// memory accesses: for "done reading" signals whose reads have already completed.
+// memory accesses: for "done reading" signals to the peer CTA, whose reads have completed
+// (release at cluster scope would cost a MEMBAR.ALL.GPU per arrival, see above).
 __device__ __forceinline__ void mbar_arrive_relaxed(uint32_t bar) {
   asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }

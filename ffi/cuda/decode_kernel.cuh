@@ -390,12 +390,14 @@ __device__ __forceinline__ void wait_full(uint32_t bar, uint32_t parity) {
 }
 
 // Called once the warp's wgmmas reading the buffer have completed: one arrival per warp
-// on `empty` (of both CTAs in a cluster: the peer's producer writes here too).
+// on `empty` (of both CTAs in a cluster: the peer's producer writes here too). The local
+// arrival releases (CTA scope, after the __syncwarp: the whole warp's reads), so that the
+// producer's next stores of the valid words are ordered after this warp's loads of them.
 template <int kCluster>
 __device__ __forceinline__ void release_tile(uint32_t bar, uint32_t peer_bar) {
   __syncwarp();
   if ((threadIdx.x & 31) == 0) {
-    mbar_arrive_relaxed(bar);
+    mbar_arrive(bar);
     if (kCluster > 1) mbar_arrive_relaxed(peer_bar);
   }
   __syncwarp();
