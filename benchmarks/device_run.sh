@@ -130,14 +130,7 @@ if has sanitize; then
   summary+=("memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1) / $(grep SMOKE "$OUT/sanitize.log")")
 fi
 
-if has racecheck; then  # shared-memory races and barrier misuse
-  # First the minimal named-barrier hand-off kernel (sanitizer_repro/): a report there is about
-  # the pattern (the decode kernel's WG0 -> WG1 hand-off of P and alpha), not about the decode.
-  nvcc -gencode=arch=compute_90a,code=sm_90a -o /tmp/handoff benchmarks/sanitizer_repro/named_barrier_handoff.cu \
-    && for tool in racecheck synccheck; do
-      compute-sanitizer --tool $tool /tmp/handoff >"$OUT/repro_$tool.log" 2>&1
-      summary+=("repro $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|handoff' "$OUT/repro_$tool.log" | tr '\n' ' ')")
-    done
+if has racecheck; then  # shared-memory races and barrier misuse, in the JAX process
   for tool in racecheck synccheck; do
     stamp "$tool"
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \
@@ -150,6 +143,16 @@ fi
 
 if has harness; then  # the sanitizers on the decode kernel alone (sanitizer_repro/decode_harness.cu: no JAX)
   stamp harness
+  # First the minimal hand-off kernels (sanitizer_repro/): a racecheck report there is about the
+  # pattern (named barriers: the decode kernel's WG0 -> WG1 hand-off of P and alpha; mbarriers:
+  # the producers' valid words), not about the decode kernel.
+  for repro in named_barrier_handoff mbarrier_handoff; do
+    nvcc -gencode=arch=compute_90a,code=sm_90a -o /tmp/$repro benchmarks/sanitizer_repro/$repro.cu || continue
+    for tool in racecheck synccheck; do
+      compute-sanitizer --tool $tool /tmp/$repro >"$OUT/${repro}_$tool.log" 2>&1
+      summary+=("$repro $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|handoff' "$OUT/${repro}_$tool.log" | tr '\n' ' ')")
+    done
+  done
   inc=$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")
   if nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I"$inc" -Iffi \
       -o /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu ffi/cuda/decode_launch.cu >"$OUT/harness_build.log" 2>&1; then

@@ -1,6 +1,6 @@
 """The device-side tools in benchmarks/ still build against the current kernel sources (their
 runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, and the
-named-barrier reproducer."""
+minimal kernels that reproduce racecheck's reports (named-barrier and mbarrier hand-offs)."""
 
 import shutil
 import subprocess
@@ -24,7 +24,8 @@ def test_decode_harness_builds(tmp_path):
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
-def test_named_barrier_reproducer_builds(tmp_path):
-    cmd = [NVCC, ARCH, "-o", str(tmp_path / "handoff"), str(ROOT / "benchmarks/sanitizer_repro/named_barrier_handoff.cu")]
+@pytest.mark.parametrize("name", ["named_barrier_handoff", "mbarrier_handoff"])
+def test_reproducer_builds(tmp_path, name):
+    cmd = [NVCC, ARCH, "-o", str(tmp_path / name), str(ROOT / f"benchmarks/sanitizer_repro/{name}.cu")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
