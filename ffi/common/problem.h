@@ -190,8 +190,8 @@ inline ffi::Error make_decode_problem(
     ffi::AnyBuffer extra_kv, ffi::Buffer<ffi::S32> extra_indices, ffi::Buffer<ffi::S32> extra_topk_length,
     ffi::Buffer<ffi::F32> attn_sink, ffi::Buffer<ffi::S32> sched, ffi::Buffer<ffi::S32> num_splits, float sm_scale,
     int32_t kv_format, int64_t page_size, int64_t extra_page_size, bool has_sink, bool batch_invariant,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::F32>> out_accum,
-    ffi::Result<ffi::Buffer<ffi::F32>> lse_accum, DecodeProblem* p) {
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+    ffi::Result<ffi::Buffer<ffi::F32>> out_accum, ffi::Result<ffi::Buffer<ffi::F32>> lse_accum, DecodeProblem* p) {
   if (kv_format != 0 && kv_format != 1) return invalid("kv_format must be 0 (V32) or 1 (MODEL1)");
   p->format = static_cast<KVFormat>(kv_format);
   if (q.element_type() != ffi::DataType::BF16) return invalid("q must be bfloat16");

@@ -117,13 +117,15 @@ ffi::Error DecodeCpu(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> 
                      ffi::Buffer<ffi::S32> topk_length, ffi::AnyBuffer extra_kv, ffi::Buffer<ffi::S32> extra_indices,
                      ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::F32> attn_sink,
                      ffi::Buffer<ffi::S32> sched, ffi::Buffer<ffi::S32> num_splits, float sm_scale, int32_t kv_format,
-                     int64_t page_size, int64_t extra_page_size, bool has_sink, bool batch_invariant, ffi::Result<ffi::AnyBuffer> out,
+                     int64_t page_size, int64_t extra_page_size, bool has_sink, bool batch_invariant,
+                     ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::F32>> out_accum,
                      ffi::Result<ffi::Buffer<ffi::F32>> lse_accum) {
   DecodeProblem p;
   JSM_RETURN_IF_ERROR(make_decode_problem(q, kv, indices, topk_length, extra_kv, extra_indices, extra_topk_length,
                                           attn_sink, sched, num_splits, sm_scale, kv_format, page_size,
-                                          extra_page_size, has_sink, batch_invariant, out, lse, out_accum, lse_accum, &p));
+                                          extra_page_size, has_sink, batch_invariant, out, lse, out_accum, lse_accum,
+                                          &p));
   JSM_RETURN_IF_ERROR(check_schedule(p));
   const int64_t slots = static_cast<int64_t>(p.batch) + p.num_parts;
   PieceKeys keys;

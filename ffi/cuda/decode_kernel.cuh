@@ -382,6 +382,17 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
 
 // ---- consumers ----
 
+// Thread 0 initializes both buffers' `full` barriers (`full`, `full` + 8: one arrival per
+// producer thread) and `empty` barriers (one per consumer warp, of both CTAs in a pair).
+__device__ __forceinline__ void init_tile_barriers(uint32_t full, uint32_t empty, int producers, int consumer_warps) {
+  if (threadIdx.x != 0) return;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mbar_init(full + 8 * i, producers);
+    mbar_init(empty + 8 * i, consumer_warps);
+  }
+}
+
 // Waits until buffer `buf`'s tile is complete (in a pair, with the peer's half), then
 // makes the producers' generic-proxy stores visible to this thread's wgmma reads.
 __device__ __forceinline__ void wait_full(uint32_t bar, uint32_t parity) {
@@ -759,14 +770,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   if (w.begin_req > w.end_req) return;
 
   const uint32_t sb = smem_u32(smem);
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(sb + L::kFull + 8 * i, kProducers);
-      mbar_init(sb + L::kEmpty + 8 * i, kConsumerWarps * kCluster);
-    }
-    if (kCluster > 1) fence_mbarrier_init_cluster();
-  }
+  init_tile_barriers(sb + L::kFull, sb + L::kEmpty, kProducers, kConsumerWarps * kCluster);
+  if (kCluster > 1 && threadIdx.x == 0) fence_mbarrier_init_cluster();
   uint32_t peer = 0;
   if (kCluster > 1) {
     peer = peer_smem(sb, cluster_ctarank() ^ 1);

@@ -16,13 +16,15 @@ ffi::Error decode_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv,
                        ffi::Buffer<ffi::S32> extra_indices, ffi::Buffer<ffi::S32> extra_topk_length,
                        ffi::Buffer<ffi::F32> attn_sink, ffi::Buffer<ffi::S32> sched,
                        ffi::Buffer<ffi::S32> num_splits, float sm_scale, int32_t kv_format, int64_t page_size,
-                       int64_t extra_page_size, bool has_sink, bool batch_invariant, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t extra_page_size, bool has_sink, bool batch_invariant,
+                       ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::F32>> out_accum,
                        ffi::Result<ffi::Buffer<ffi::F32>> lse_accum) {
   DecodeProblem dp;
   JSM_RETURN_IF_ERROR(make_decode_problem(q, kv, indices, topk_length, extra_kv, extra_indices, extra_topk_length,
                                           attn_sink, sched, num_splits, sm_scale, kv_format, page_size,
-                                          extra_page_size, has_sink, batch_invariant, out, lse, out_accum, lse_accum, &dp));
+                                          extra_page_size, has_sink, batch_invariant, out, lse, out_accum, lse_accum,
+                                          &dp));
   if (dp.batch == 0 || dp.s_q == 0 || dp.h_q == 0 || dp.num_parts == 0) return ffi::Error::Success();
   if (reinterpret_cast<uintptr_t>(dp.q) % 16 != 0) return invalid("CUDA decode: q must be 16-byte aligned");
   if (reinterpret_cast<uintptr_t>(dp.kv) % 8 != 0 || (dp.extra_topk > 0 && reinterpret_cast<uintptr_t>(dp.extra_kv) % 8 != 0))

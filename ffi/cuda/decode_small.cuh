@@ -298,13 +298,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) decode_kernel_small(const Pa
   if (w.begin_req > w.end_req) return;
 
   const uint32_t sb = smem_u32(smem);
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(sb + L::kFull + 8 * i, kProducers * kSmallProducers);
-      mbar_init(sb + L::kEmpty + 8 * i, kWarpgroup / 32);
-    }
-  }
+  init_tile_barriers(sb + L::kFull, sb + L::kEmpty, kProducers * kSmallProducers, kWarpgroup / 32);
   __syncthreads();
 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
