@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
 # Logs go to $OUT (the device tool brings them back); a short summary is printed last.
-#   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck harness" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+#   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck harness variants" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 # Stage `anchor` is the yardstick against FlashMLA (kernel time of both on identical inputs):
 # it needs a copy of FlashMLA's measuring harness in .anchor/ (not part of the repository; git-ignored,
 # carried to the device) and runs .anchor/ktime.sh on $KSHAPES (docs/performance.md).
@@ -163,6 +163,40 @@ if has harness; then  # the sanitizers on the decode kernel alone (sanitizer_rep
   else
     tail -20 "$OUT/harness_build.log"; summary+=("harness: build FAILED")
   fi
+fi
+
+if has variants; then  # kernel variants side by side: each of $VARIANTS (benchmarks/patches/NAME.patch,
+  # or "base" for the tree as it is) applied, built, smoked and timed against FlashMLA on $KSHAPES,
+  # then reverted. Runs last: the build left behind is the last variant's.
+  [[ -f .anchor/ktime.sh ]] && python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1
+  # "a+b": patches a and b together, applied in that order
+  patches_of() { [[ $1 == base ]] || tr '+' '\n' <<<"$1" | sed 's#.*#benchmarks/patches/&.patch#'; }
+  for v in ${VARIANTS:-base}; do
+    stamp "variant $v"
+    applied=()
+    for patch in $(patches_of "$v"); do
+      git apply "$patch" && applied=("$patch" "${applied[@]}") || break
+    done
+    if [[ ${#applied[@]} != $(patches_of "$v" | wc -l) ]]; then
+      for patch in "${applied[@]}"; do git apply -R "$patch"; done
+      summary+=("$v: does not apply"); continue
+    fi
+    touch ffi/cuda/*
+    if CMAKE_ARGS="-DCMAKE_CUDA_FLAGS=" python3 -m pip install --no-build-isolation --no-deps -e . \
+        >"$OUT/build_$v.log" 2>&1; then
+      timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py >"$OUT/smoke_$v.log" 2>&1
+      line=$(grep SMOKE "$OUT/smoke_$v.log" || echo "SMOKE crashed")
+      summary+=("$v: $line")
+      if [[ "$line" =~ SMOKE\ ([0-9]+)/([0-9]+) ]] && [[ ${BASH_REMATCH[1]} == ${BASH_REMATCH[2]} ]] \
+          && [[ -f .anchor/ktime.sh ]]; then
+        OUT="$OUT/$v" KSHAPES="${KSHAPES:-v32_h16_s2_b128_k2048}" bash .anchor/ktime.sh >/dev/null 2>&1
+        while read -r k; do summary+=("$v: $k"); done < <(grep KTIME "$OUT/$v/ktime.txt" 2>/dev/null)
+      fi
+    else
+      summary+=("$v: build FAILED (build_$v.log)")
+    fi
+    for patch in "${applied[@]}"; do git apply -R "$patch"; done  # newest first
+  done
 fi
 
 stamp done
