@@ -57,7 +57,7 @@ pytestmark = [
 V32, MODEL1 = jsm.KVFormat.V32, jsm.KVFormat.MODEL1
 
 
-def HEAD_IDS(h_q):
+def head_id(h_q):
     """Test ids "h16", "h64", ...: `-k h16` selects the few-heads kernel's instances (h_q <= 16
     runs ffi/cuda/decode_small.cuh; the tests with a fixed h_q of 16 run it too)."""
     return f"h{h_q}"
@@ -107,7 +107,7 @@ def test_conformance(path):
 # ---- shapes and features ------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
-@pytest.mark.parametrize("h_q", [1, 16, 32, 64, 96, 128], ids=HEAD_IDS)
+@pytest.mark.parametrize("h_q", [1, 16, 32, 64, 96, 128], ids=head_id)
 def test_heads(fmt, h_q):
     case = make_case(fresh_rng(), fmt, b=2, s_q=2, h_q=h_q, topk=70, page_size=64, num_blocks=8, with_sink=True)
     _check(case)
@@ -115,7 +115,7 @@ def test_heads(fmt, h_q):
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 @pytest.mark.parametrize("s_q", [1, 2, 3, 4])
-@pytest.mark.parametrize("h_q", [16, 64], ids=HEAD_IDS)
+@pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
 def test_query_rows(fmt, s_q, h_q):
     case = make_case(fresh_rng(), fmt, b=3, s_q=s_q, h_q=h_q, topk=133, page_size=61, num_blocks=9, with_lengths=True)
     _check(case)
@@ -146,7 +146,7 @@ def test_lengths_zero_and_full(fmt):
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
-@pytest.mark.parametrize("h_q", [16, 64], ids=HEAD_IDS)  # the few-heads kernel and the 64-row one
+@pytest.mark.parametrize("h_q", [16, 64], ids=head_id)  # the few-heads kernel and the 64-row one
 def test_extra_cache(fmt, h_q):
     case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=h_q, topk=50, page_size=64, num_blocks=4, extra_topk=150,
                      extra_page_size=17, extra_num_blocks=20, with_lengths=True, with_sink=True)
@@ -168,7 +168,7 @@ def test_sinks_with_infinities():
     assert np.all(_np(out)[:, :, 0] == 0)
 
 
-@pytest.mark.parametrize("h_q", [16, 64], ids=HEAD_IDS)
+@pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
 def test_empty_rows_and_garbage_indices(h_q):
     rng = fresh_rng()
     case = make_case(rng, V32, b=3, s_q=2, h_q=h_q, topk=80, page_size=64, num_blocks=4, with_sink=True)
@@ -195,7 +195,7 @@ def test_duplicates_count_twice():
 
 @pytest.mark.parametrize("num_parts", [1, 3, 17, 64, 300])
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
-@pytest.mark.parametrize("h_q", [16, 64], ids=HEAD_IDS)
+@pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
 def test_many_splits(fmt, num_parts, h_q):
     case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=h_q, topk=300, page_size=64, num_blocks=16,
                      extra_topk=70 if fmt == MODEL1 else 0, extra_page_size=64, extra_num_blocks=4,
@@ -226,7 +226,7 @@ def _with_lengths(case, lengths, extra_lengths=None):
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 @pytest.mark.parametrize("num_parts", [3, 11, 40])
-@pytest.mark.parametrize("h_q", [16, 64], ids=HEAD_IDS)
+@pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
 def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts, h_q):
     """A plan made for other lengths than the call's: the CUDA handler cannot refuse it
     without a host sync, so every request comes out either right (the plan still covers
@@ -274,7 +274,7 @@ def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts, h_q):
 
 
 @pytest.mark.parametrize("seed_offset", range(4))
-@pytest.mark.parametrize("h_q", [16, 64], ids=HEAD_IDS)
+@pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
 def test_garbage_plan_arrays_stay_in_bounds(seed_offset, h_q):
     """Hand-made plan arrays with any values: the call completes (compute-sanitizer's
     memcheck run in benchmarks/gpu_smoke.py --sanitize checks that nothing is read or
@@ -378,7 +378,7 @@ def test_non_power_of_two_v32_scales():
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
-@pytest.mark.parametrize("h_q", [16, 64], ids=HEAD_IDS)
+@pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
 def test_unscaled_make_case_data(fmt, h_q):
     """make_case's own magnitudes (|V| up to ~9): lse within the tolerances, out within the bound that
     bf16 probabilities allow (2^-9 * max|V| ~ 0.018, the relative term, and the
@@ -398,7 +398,7 @@ def test_unscaled_make_case_data(fmt, h_q):
 # ---- GPU-only properties ------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
-@pytest.mark.parametrize("h_q", [16, 64], ids=HEAD_IDS)
+@pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
 def test_gpu_agrees_with_cpu(fmt, h_q):
     """Identical inputs and plan on the CUDA and CPU handlers: same results within the
     tolerances (docs/numerics.md)."""
