@@ -414,19 +414,20 @@ __device__ __forceinline__ void release_tile(uint32_t bar, uint32_t peer_bar) {
   __syncwarp();
 }
 
-// Q rows of heads 64 hg .. 64 hg + 63 for (request r, query row s); rows past h_q are
-// zeros. Issued by WG0's 128 threads; completion is awaited before the next QK.
-template <KVFormat F>
-__device__ __forceinline__ void load_q(const Params& p, int r, int s, int hg, uint32_t q_s, int t) {
+// Q rows of heads h0 .. h0 + kQRows - 1 for (request r, query row s), in the interleaved
+// K-major operand layout (8-column groups kQRows * 16 bytes apart); rows past h_q are
+// zeros. Issued by one warpgroup's 128 threads; completion is awaited before the next QK.
+template <KVFormat F, int kQRows = kRows>
+__device__ __forceinline__ void load_q(const Params& p, int r, int s, int h0, uint32_t q_s, int t) {
   constexpr int kGroups = Fmt<F>::kDqk / 8;
   const int64_t base = (static_cast<int64_t>(r) * p.s_q + s) * p.h_q;
-  for (int id = t; id < kRows * kGroups; id += kWarpgroup) {
-    const int row = id % kRows;
-    const int g = id / kRows;
-    const int h = hg * kRows + row;
+  for (int id = t; id < kQRows * kGroups; id += kWarpgroup) {
+    const int row = id % kQRows;
+    const int g = id / kQRows;
+    const int h = h0 + row;
     const bool ok = h < p.h_q;
     const uint16_t* src = ok ? p.q + (base + h) * Fmt<F>::kDqk + 8 * g : p.q;
-    cp_async_16(q_s + g * Smem<F>::kGroupStride + row * 16, src, ok ? 16u : 0u);
+    cp_async_16(q_s + g * kQRows * 16 + row * 16, src, ok ? 16u : 0u);
   }
   cp_async_commit();
 }
@@ -552,7 +553,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
 
   Cursor cur;
   cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
-  load_q<F>(p, cur.r, s, hg, sb + L::kQ, t);
+  load_q<F>(p, cur.r, s, hg * kRows, sb + L::kQ, t);
   bool q_pending = true;
   bool first = true;  // first block of a piece
   int parity = 0;     // piece parity (final_s buffer)
@@ -594,7 +595,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
       zero(sacc);
     }
     if (last && nx.r <= w.end_req) {  // Q is free: fetch the next request's
-      load_q<F>(p, nx.r, s, hg, sb + L::kQ, t);
+      load_q<F>(p, nx.r, s, hg * kRows, sb + L::kQ, t);
       q_pending = true;
     }
 

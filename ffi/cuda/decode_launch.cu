@@ -33,28 +33,21 @@ cudaLaunchConfig_t pair_config(dim3 grid, size_t smem, cudaStream_t stream, cuda
   return cfg;
 }
 
-template <KVFormat F, int kCluster, bool kAligned>
-ffi::Error allow_smem() {
-  const cudaError_t e = cudaFuncSetAttribute(decode_kernel<F, kCluster, kAligned>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<F>::kBytes);
-  return e == cudaSuccess ? ffi::Error::Success() : cuda_failure("cudaFuncSetAttribute(decode_kernel)", e);
-}
-
-template <KVFormat F, int H, bool kAligned>
-ffi::Error allow_smem_small() {
-  const cudaError_t e = cudaFuncSetAttribute(decode_kernel_small<F, H, kAligned>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, SmemSmall<F, H>::kBytes);
-  return e == cudaSuccess ? ffi::Error::Success() : cuda_failure("cudaFuncSetAttribute(decode_kernel_small)", e);
+// Lets `kernel` use `bytes` of dynamic shared memory (over the 48 KB default).
+template <typename Kernel>
+ffi::Error allow_smem(Kernel kernel, int bytes) {
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  return e == cudaSuccess ? ffi::Error::Success() : cuda_failure("cudaFuncSetAttribute (dynamic shared memory)", e);
 }
 
 template <KVFormat F>
 ffi::Error set_up_device(DeviceSetup& d) {
-  JSM_RETURN_IF_ERROR((allow_smem_small<F, kSmallHeads, false>()));
-  JSM_RETURN_IF_ERROR((allow_smem_small<F, kSmallHeads, true>()));
-  JSM_RETURN_IF_ERROR((allow_smem<F, 1, false>()));
-  JSM_RETURN_IF_ERROR((allow_smem<F, 1, true>()));
-  JSM_RETURN_IF_ERROR((allow_smem<F, 2, false>()));
-  JSM_RETURN_IF_ERROR((allow_smem<F, 2, true>()));
+  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_small<F, kSmallHeads, false>, SmemSmall<F, kSmallHeads>::kBytes));
+  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_small<F, kSmallHeads, true>, SmemSmall<F, kSmallHeads>::kBytes));
+  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 1, false>, Smem<F>::kBytes));
+  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 1, true>, Smem<F>::kBytes));
+  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 2, false>, Smem<F>::kBytes));
+  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 2, true>, Smem<F>::kBytes));
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = pair_config(dim3(1, 1, 2), Smem<F>::kBytes, nullptr, &attr);
   int clusters = 0;

@@ -47,21 +47,6 @@ struct SmemSmall {
   static_assert(kValid % 16 == 0 && kP % 16 == 0, "alignment");
 };
 
-// Q rows 0..H-1 of (request r, query row s); rows past h_q are zeros.
-template <KVFormat F, int H>
-__device__ __forceinline__ void load_q_small(const Params& p, int r, int s, uint32_t q_s, int t) {
-  constexpr int kGroups = Fmt<F>::kDqk / 8;
-  const int64_t base = (static_cast<int64_t>(r) * p.s_q + s) * p.h_q;
-  for (int id = t; id < H * kGroups; id += kWarpgroup) {
-    const int row = id % H;
-    const int g = id / H;
-    const bool ok = row < p.h_q;
-    const uint16_t* src = ok ? p.q + (base + row) * Fmt<F>::kDqk + 8 * g : p.q;
-    cp_async_16(q_s + g * H * 16 + row * 16, src, ok ? 16u : 0u);
-  }
-  cp_async_commit();
-}
-
 // The per-head reduction over the 64 tokens: `v` holds this thread's value of each of its
 // H/4 columns (heads 8 (j / 2) + 2 c + j % 2) over its two token rows; the result is the
 // reduction over all 64 rows, for the same columns. Lanes of one c share columns.
@@ -126,7 +111,7 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
 
   Cursor cur;
   cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
-  load_q_small<F, H>(p, cur.r, s, sb + L::kQ, t);
+  load_q<F, H>(p, cur.r, s, 0, sb + L::kQ, t);
   bool q_pending = true;
   bool first = true;
   float o[8 * kAcc];  // O^T: tile m (value dims 64 m ..) at o[m * kAcc ..]
@@ -170,7 +155,7 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
       pin(sacc);
     }
     if (last && nx.r <= w.end_req) {  // every QK of this request is done: fetch the next Q
-      load_q_small<F, H>(p, nx.r, s, sb + L::kQ, t);
+      load_q<F, H>(p, nx.r, s, 0, sb + L::kQ, t);
       q_pending = true;
     }
 
