@@ -18,14 +18,19 @@ summary=()
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+# Builds and installs the tree with CMAKE_ARGS $1, the log in $2 (CMAKE_CUDA_FLAGS is cached
+# in the build tree, so every call states it).
+build_tree() { CMAKE_ARGS="$1" python3 -m pip install --no-build-isolation --no-deps -e . >"$2" 2>&1; }
+# The smoke table's verdict in log $1, and whether a verdict line says every case passed.
+smoke_line() { grep SMOKE "$1" || echo "SMOKE crashed"; }
+smoke_passed() { [[ "$1" =~ SMOKE\ ([0-9]+)/([0-9]+) ]] && [[ ${BASH_REMATCH[1]} == ${BASH_REMATCH[2]} ]]; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv 2>&1 | tail -1
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -1
 
 if has build; then
   stamp build
-  if CMAKE_ARGS="${CMAKE_ARGS:--DCMAKE_CUDA_FLAGS=}" python3 -m pip install --no-build-isolation --no-deps -e . \
-      >"$OUT/build.log" 2>&1; then
+  if build_tree "${CMAKE_ARGS:--DCMAKE_CUDA_FLAGS=}" "$OUT/build.log"; then
     summary+=("build ok")
   else
     tail -40 "$OUT/build.log"; summary+=("build FAILED"); echo "${summary[@]}"; exit 1
@@ -40,13 +45,10 @@ if has build; then
   grep -E "LDL|STL" "$OUT/sass.txt" && summary+=("SASS has local memory traffic")
 fi
 
-smoke_ok=1
 if has smoke; then
   stamp smoke
   timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" | grep -vE "^\s*$" | tail -30
-  line=$(grep SMOKE "$OUT/smoke.log" || echo "SMOKE crashed")
-  summary+=("$line")
-  [[ "$line" =~ SMOKE\ ([0-9]+)/([0-9]+) ]] && [[ ${BASH_REMATCH[1]} == ${BASH_REMATCH[2]} ]] || smoke_ok=0
+  summary+=("$(smoke_line "$OUT/smoke.log")")
 fi
 
 if has pytest; then  # PYTEST_RUNS times in a row, each with fresh random seeds
@@ -69,13 +71,12 @@ if has diag; then  # where the time goes: 1 = no gathers, 2 = no MMAs, 3 = neith
   stamp diag
   # The switch is compile-time (a shipped build never skips work): rebuild per mode, then back.
   for m in ${DIAG_MODES:-1 2 3 4}; do
-    CMAKE_ARGS="-DCMAKE_CUDA_FLAGS=-DJSM_TIMING_EXPERIMENT=$m" python3 -m pip install -q --no-build-isolation \
-      --no-deps -e . >/dev/null 2>&1
+    build_tree "-DCMAKE_CUDA_FLAGS=-DJSM_TIMING_EXPERIMENT=$m" /dev/null
     timeout 90 python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} \
       --no-xla --no-reference --iters 5 2>&1 | grep -E "^\| v|^\| m" | sed "s/^/mode $m: /" | tee -a "$OUT/bench.log"
   done
   # CMAKE_CUDA_FLAGS is cached in the build tree: clear it, or the next build stays in mode 3.
-  CMAKE_ARGS="-DCMAKE_CUDA_FLAGS=" python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1
+  build_tree "-DCMAKE_CUDA_FLAGS=" /dev/null
 fi
 
 if has ktime; then  # device time of each kernel of a few steady-state calls (one counter: no replay)
@@ -182,13 +183,11 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
       summary+=("$v: does not apply"); continue
     fi
     touch ffi/cuda/*
-    if CMAKE_ARGS="-DCMAKE_CUDA_FLAGS=" python3 -m pip install --no-build-isolation --no-deps -e . \
-        >"$OUT/build_$v.log" 2>&1; then
+    if build_tree "-DCMAKE_CUDA_FLAGS=" "$OUT/build_$v.log"; then
       timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py >"$OUT/smoke_$v.log" 2>&1
-      line=$(grep SMOKE "$OUT/smoke_$v.log" || echo "SMOKE crashed")
+      line=$(smoke_line "$OUT/smoke_$v.log")
       summary+=("$v: $line")
-      if [[ "$line" =~ SMOKE\ ([0-9]+)/([0-9]+) ]] && [[ ${BASH_REMATCH[1]} == ${BASH_REMATCH[2]} ]] \
-          && [[ -f .anchor/ktime.sh ]]; then
+      if smoke_passed "$line" && [[ -f .anchor/ktime.sh ]]; then
         OUT="$OUT/$v" KSHAPES="${KSHAPES:-v32_h16_s2_b128_k2048}" bash .anchor/ktime.sh >/dev/null 2>&1
         while read -r k; do summary+=("$v: $k"); done < <(grep KTIME "$OUT/$v/ktime.txt" 2>/dev/null)
       fi
