@@ -610,21 +610,28 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
         if (!((vm >> col) & 1)) sacc[i] = -INFINITY;
       }
     }
-    float alpha[2];
+    // A row's maximum over its quad (two shuffles) only matters when it moves the running
+    // maximum, and in most blocks no value of the warp's rows exceeds it by kLazyRescale:
+    // one vote then stands for the shuffles (alpha = 1, the maximum as it was).
+    // scale > 0 (checked in Python): the maximum of the scaled logits is the scaled maximum.
+    float mx[2] = {row_max(sacc, 0), row_max(sacc, 1)};
+    const bool reduce =
+        first || __any_sync(0xffffffffu, mx[0] * scale > m[0] + kLazyRescale || mx[1] * scale > m[1] + kLazyRescale);
+    float alpha[2] = {1.f, 1.f};
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      float mx = row_max(sacc, hf);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // scale > 0 (checked in Python): the maximum of the scaled logits is the scaled maximum.
-      const float mx_scaled = mx * scale;
-      const bool grow = mx_scaled > m[hf] + kLazyRescale;  // false for NaN and for -inf (all masked)
-      const float m_new = grow ? mx_scaled : m[hf];
-      alpha[hf] = grow ? fast_exp2(m[hf] - m_new) : 1.f;
-      m[hf] = m_new;
+      if (reduce) {  // uniform over the warp
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
+        const float mx_scaled = mx[hf] * scale;
+        const bool grow = mx_scaled > m[hf] + kLazyRescale;  // false for NaN and for -inf (all masked)
+        const float m_new = grow ? mx_scaled : m[hf];
+        alpha[hf] = grow ? fast_exp2(m[hf] - m_new) : 1.f;
+        m[hf] = m_new;
+      }
 #pragma unroll
       for (int i = 0; i < 32; ++i)
-        if (((i >> 1) & 1) == hf) sacc[i] = fast_exp2(fmaf(sacc[i], scale, -m_new));
+        if (((i >> 1) & 1) == hf) sacc[i] = fast_exp2(fmaf(sacc[i], scale, -m[hf]));
       l[hf] = l[hf] * alpha[hf] + row_sum(sacc, hf);  // this thread's 16 entries; the quad is summed at the end
     }
 
