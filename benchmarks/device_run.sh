@@ -119,6 +119,14 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
   ncu -i "$OUT/prof.ncu-rep" --page details >"$OUT/ncu_details.txt" 2>&1
   ncu -i "$OUT/prof.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_source.csv" 2>&1
   summary+=("ncu: $(wc -l <"$OUT/ncu_details.txt") detail lines, $(wc -l <"$OUT/ncu_source.csv") source lines")
+  # Which unit of L1/TEX and of the whole memory system is the busiest, and the L1 tables
+  # (wavefronts by kind): a second launch, so that a metric the tool rejects costs only this.
+  timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel -c 1 \
+    --metrics breakdown:l1tex__throughput.avg.pct_of_peak_sustained_elapsed,breakdown:gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed \
+    --section MemoryWorkloadAnalysis_Tables \
+    python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
+    --iters 1 >"$OUT/ncu_breakdown.txt" 2>&1
+  summary+=("ncu breakdown: $(grep -c '%' "$OUT/ncu_breakdown.txt") lines with %")
 fi
 
 if has sanitize; then
