@@ -175,8 +175,9 @@ if has harness; then  # the sanitizers on the decode kernel alone (sanitizer_rep
 fi
 
 if has variants; then  # kernel variants side by side: each of $VARIANTS (benchmarks/patches/NAME.patch,
-  # or "base" for the tree as it is) applied, built, smoked and timed against FlashMLA on $KSHAPES,
-  # then reverted. Runs last: the build left behind is the last variant's.
+  # or "base" for the tree as it is) applied, built, smoked and timed against FlashMLA on $KSHAPES
+  # (VARIANT_TIMER=ours: our kernels alone, faster), then reverted. Runs last: the build left
+  # behind is the last variant's.
   [[ -f .anchor/ktime.sh ]] && python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1
   # "a+b": patches a and b together, applied in that order
   patches_of() { [[ $1 == base ]] || tr '+' '\n' <<<"$1" | sed 's#.*#benchmarks/patches/&.patch#'; }
@@ -195,7 +196,18 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
       timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py >"$OUT/smoke_$v.log" 2>&1
       line=$(smoke_line "$OUT/smoke_$v.log")
       summary+=("$v: $line")
-      if smoke_passed "$line" && [[ -f .anchor/ktime.sh ]]; then
+      if smoke_passed "$line" && [[ ${VARIANT_TIMER:-ktime} == ours && -f .anchor/parse_ktime.py ]]; then
+        # Our kernels alone under ncu (FlashMLA's time does not change from variant to variant:
+        # take it once, from a `base` variant or the anchor stage, and save its launches here).
+        mkdir -p "$OUT/$v"
+        for sh in ${KSHAPES:-v32_h16_s2_b128_k2048}; do
+          timeout ${KTIME_T:-150} ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+            -k regex:"decode_kernel|combine_kernel" python3 benchmarks/bench_decode.py --shapes "$sh" --no-xla \
+            --no-reference --iters 3 >"$OUT/$v/ncu_$sh.log" 2>&1
+          summary+=("$v: $(python3 .anchor/parse_ktime.py "$OUT/$v/ncu_$sh.log" "$sh" | grep KTIME |
+            sed -E 's/incomplete: ours ([0-9.]+) flashmla.*/ours \1 us (ours alone)/')")
+        done
+      elif smoke_passed "$line" && [[ -f .anchor/ktime.sh ]]; then
         OUT="$OUT/$v" KSHAPES="${KSHAPES:-v32_h16_s2_b128_k2048}" bash .anchor/ktime.sh >/dev/null 2>&1
         while read -r k; do summary+=("$v: $k"); done < <(grep KTIME "$OUT/$v/ktime.txt" 2>/dev/null)
       fi
