@@ -432,6 +432,14 @@ __device__ __forceinline__ void load_q(const Params& p, int r, int s, int h0, ui
   cp_async_commit();
 }
 
+// Waits for this thread's Q copies (load_q) and makes the warpgroup's visible to its
+// wgmma reads (named barrier `bar` over the warpgroup).
+__device__ __forceinline__ void await_q(int bar) {
+  cp_async_wait_all();
+  fence_proxy_async();
+  named_bar_sync(bar, kWarpgroup);
+}
+
 struct PieceOut {
   int r, pieces;
   int64_t slot;  // partial slot (pieces > 1)
@@ -497,7 +505,8 @@ struct ConsumerStep {
   uint32_t k_tile;
 };
 
-template <KVFormat F>
+// `L`: the shared-memory layout (its K tiles).
+template <KVFormat F, typename L = Smem<F>>
 __device__ __forceinline__ ConsumerStep consumer_step(const Params& p, const Work& w, const Cursor& cur, int n,
                                                       uint32_t sb) {
   ConsumerStep st;
@@ -505,7 +514,7 @@ __device__ __forceinline__ ConsumerStep consumer_step(const Params& p, const Wor
   cursor_advance(st.next, p, w.end_req, w.end_block);
   st.last = st.next.r != cur.r;
   st.buf = n & 1;
-  st.k_tile = sb + Smem<F>::kK + st.buf * Smem<F>::kTile;
+  st.k_tile = sb + L::kK + st.buf * L::kTile;
   return st;
 }
 
@@ -570,9 +579,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     const uint32_t k_s = st.k_tile;
 
     if (q_pending) {
-      cp_async_wait_all();
-      fence_proxy_async();
-      named_bar_sync(kBarQReady, kWarpgroup);
+      await_q(kBarQReady);
       q_pending = false;
     }
     wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);

@@ -124,16 +124,14 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
   }
 
   for (int n = 0;; ++n) {
-    Cursor nx = cur;
-    cursor_advance(nx, p, w.end_req, w.end_block);
-    const bool last = nx.r != cur.r;
-    const int buf = n & 1;
-    const uint32_t k_s = sb + L::kK + buf * L::kTile;
+    const ConsumerStep st = consumer_step<F, L>(p, w, cur, n, sb);
+    const Cursor& nx = st.next;
+    const bool last = st.last;
+    const int buf = st.buf;
+    const uint32_t k_s = st.k_tile;
 
     if (q_pending) {
-      cp_async_wait_all();
-      fence_proxy_async();
-      named_bar_sync(kSmallBarQ, kWarpgroup);
+      await_q(kSmallBarQ);
       q_pending = false;
     }
     wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);
