@@ -196,16 +196,19 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
       timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py >"$OUT/smoke_$v.log" 2>&1
       line=$(smoke_line "$OUT/smoke_$v.log")
       summary+=("$v: $line")
-      if smoke_passed "$line" && [[ ${VARIANT_TIMER:-ktime} == ours && -f .anchor/parse_ktime.py ]]; then
+      if smoke_passed "$line" && [[ ${VARIANT_TIMER:-ktime} == ours && -f .anchor/side_by_side.py ]]; then
         # Our kernels alone under ncu (FlashMLA's time does not change from variant to variant:
         # take it once, from a `base` variant or the anchor stage, and save its launches here).
-        mkdir -p "$OUT/$v"
+        # The logs stay on the device (only 8 files come back from $OUT); a failed one is tailed.
+        logs=/tmp/variant_logs/$v; mkdir -p "$logs"
         for sh in ${KSHAPES:-v32_h16_s2_b128_k2048}; do
+          # ktime.sh's own timing of our kernels (side_by_side.time_ours), without FlashMLA.
           timeout ${KTIME_T:-150} ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
-            -k regex:"decode_kernel|combine_kernel" python3 benchmarks/bench_decode.py --shapes "$sh" --no-xla \
-            --no-reference --iters 3 >"$OUT/$v/ncu_$sh.log" 2>&1
-          summary+=("$v: $(python3 .anchor/parse_ktime.py "$OUT/$v/ncu_$sh.log" "$sh" | grep KTIME |
-            sed -E 's/incomplete: ours ([0-9.]+) flashmla.*/ours \1 us (ours alone)/')")
+            -k regex:"decode_kernel|combine_kernel" python3 -c "import sys; sys.path.insert(0, '.anchor')
+import side_by_side as s; from jax_sparse_mla import bench; shape = bench.PRESETS['$sh']
+s.time_ours(shape, bench.make_inputs(shape, max(bench._sets_for(shape), bench.CALLS_PER_TIMING)), 3)" \
+            >"$logs/ncu_$sh.log" 2>&1 || tail -5 "$logs/ncu_$sh.log"
+          summary+=("$v: $(python3 benchmarks/kernel_times.py "$logs/ncu_$sh.log" "$sh")")
         done
       elif smoke_passed "$line" && [[ -f .anchor/ktime.sh ]]; then
         OUT="$OUT/$v" KSHAPES="${KSHAPES:-v32_h16_s2_b128_k2048}" bash .anchor/ktime.sh >/dev/null 2>&1
