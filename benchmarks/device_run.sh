@@ -55,7 +55,7 @@ if has pytest; then  # PYTEST_RUNS times in a row, each with fresh random seeds
   for run in $(seq 1 ${PYTEST_RUNS:-1}); do
     stamp "pytest run $run"
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PYTEST_T:-270} python3 -m pytest $PYTEST_ARGS -q -n ${PYTEST_N:-6} \
-      --timeout 240 -p no:cacheprovider -rfE 2>&1 | tee "$OUT/pytest_$run.log" | tail -8
+      --timeout 240 -p no:cacheprovider -rfE --durations=12 2>&1 | tee "$OUT/pytest_$run.log" | tail -8
     summary+=("pytest run $run: $(grep -E '(passed|failed|error)' "$OUT/pytest_$run.log" | tail -1)")
   done
 fi

@@ -1,6 +1,7 @@
 """The device-side tools in benchmarks/ still build against the current kernel sources (their
 runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, and the
-minimal kernels that reproduce racecheck's reports (named-barrier and mbarrier hand-offs)."""
+minimal kernels that reproduce racecheck's reports (named-barrier and mbarrier hand-offs); and the
+parser that turns an ncu log into our kernel time per call (benchmarks/kernel_times.py)."""
 
 import shutil
 import subprocess
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import jax.ffi
 import pytest
+
+from benchmarks.kernel_times import kernel_medians
 
 ROOT = Path(__file__).resolve().parent.parent
 NVCC = shutil.which("nvcc")
@@ -29,3 +32,34 @@ def test_reproducer_builds(tmp_path, name):
     cmd = [NVCC, ARCH, "-o", str(tmp_path / name), str(ROOT / f"benchmarks/sanitizer_repro/{name}.cu")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# Launch headers as ncu prints them: full signatures, or cut at the front for long names.
+NCU_LOG = """\
+  void jsm::cuda::decode_kernel_small<0, 16, 1>(jsm::Params) (66, 2, 1)x(384, 1, 1), Context 1, Stream 14
+    gpu__time_duration.sum          ms         0.2000
+  unnamed>::combine_kernel(const float *, const float *, int) (1024, 1, 1)x(256, 1, 1), Context 1, Stream 14
+    gpu__time_duration.sum          us         9.00
+""" + "".join(f"""\
+  void jsm::cuda::decode_kernel_small<0, 16, 1>(jsm::Params) (66, 2, 1)x(384, 1, 1), Context 1, Stream 14
+    gpu__time_duration.sum          us       {t:.2f}
+  jsm::<unnamed>::combine_kernel(const float *, const float *, int) (1024, 1, 1)x(256, 1, 1), Context 1
+    gpu__time_duration.sum          ns       {2300 + i:.0f}
+""" for i, t in enumerate([163.0, 165.0, 164.0]))
+
+
+def test_kernel_times_medians_after_warm_up():
+    # The first of four launches is dropped as warm-up; units are converted to us.
+    med = kernel_medians(NCU_LOG.splitlines())
+    assert med == pytest.approx({"decode_kernel_small": 164.0, "combine_kernel": 2.301})
+
+
+def test_kernel_times_line_and_incomplete_log(tmp_path):
+    log = tmp_path / "ncu.log"
+    log.write_text(NCU_LOG)
+    script = ROOT / "benchmarks/kernel_times.py"
+    done = subprocess.run(["python3", str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
+    assert done.stdout.startswith("KTIME v32_h16 ours 166.3 us (ours alone: decode_kernel_small 164.0")
+    log.write_text(NCU_LOG.split("  unnamed>")[0])  # no combine launch: not a time per call
+    done = subprocess.run(["python3", str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
+    assert "incomplete" in done.stdout
