@@ -34,9 +34,9 @@ def test_reproducer_builds(tmp_path, name):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-# Launch headers as ncu prints them: full signatures, or cut at the front for long names.
+# Launch headers as ncu prints them: with or without namespaces, or cut at the front.
 NCU_LOG = """\
-  void jsm::cuda::decode_kernel_small<0, 16, 1>(jsm::Params) (66, 2, 1)x(384, 1, 1), Context 1, Stream 14
+  void decode_kernel_small<0, 16, 1>(Params) (66, 2, 1)x(384, 1, 1), Context 1, Stream 14
     gpu__time_duration.sum          ms         0.2000
   unnamed>::combine_kernel(const float *, const float *, int) (1024, 1, 1)x(256, 1, 1), Context 1, Stream 14
     gpu__time_duration.sum          us         9.00
