@@ -41,7 +41,9 @@ if has build; then
     echo "--- instruction mix of decode kernels"; \
     cuobjdump -sass "$lib" | awk '/Function :/{f=$3} /decode_kernel/{d=1} {print}' | \
       grep -oE "(HGMMA|LDGSTS|LDL|STL|BAR|MEMBAR|CCTL|ERRBAR|SYNCS|STAS|FENCE|HFMA2|PRMT)[.A-Z0-9_]*" | sort | uniq -c; } >"$OUT/sass.txt" 2>&1
-  cuobjdump -sass "$lib" >"$OUT/sass_full.txt" 2>&1
+  # The full SASS stays on the device (/tmp/sass_full.txt; at most 8 files come back from
+  # $OUT, and the same SASS can be had here from a local nvcc -cubin build).
+  cuobjdump -sass "$lib" >/tmp/sass_full.txt 2>&1
   grep -E "LDL|STL" "$OUT/sass.txt" && summary+=("SASS has local memory traffic")
 fi
 
@@ -113,11 +115,12 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
   timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel -c 1 --import-source yes \
     --section SpeedOfLight --section WarpStateStats --section InstructionStats --section LaunchStats \
     --section Occupancy --section SchedulerStats --section ComputeWorkloadAnalysis \
-    --section MemoryWorkloadAnalysis --section SourceCounters -o "$OUT/prof" -f \
+    --section MemoryWorkloadAnalysis --section SourceCounters -o /tmp/prof -f \
     python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
     --iters 1 >"$OUT/ncu.log" 2>&1
-  ncu -i "$OUT/prof.ncu-rep" --page details >"$OUT/ncu_details.txt" 2>&1
-  ncu -i "$OUT/prof.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_source.csv" 2>&1
+  # The report itself stays on the device (no ncu here to open it); its pages come back.
+  ncu -i /tmp/prof.ncu-rep --page details >"$OUT/ncu_details.txt" 2>&1
+  ncu -i /tmp/prof.ncu-rep --page source --print-source sass --csv >"$OUT/ncu_source.csv" 2>&1
   summary+=("ncu: $(wc -l <"$OUT/ncu_details.txt") detail lines, $(wc -l <"$OUT/ncu_source.csv") source lines")
   # Which unit of L1/TEX and of the whole memory system is the busiest, and the L1 tables
   # (wavefronts by kind): a second launch, so that a metric the tool rejects costs only this.
