@@ -5,6 +5,7 @@ parser that turns an ncu log into our kernel time per call (benchmarks/kernel_ti
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jax.ffi
@@ -58,8 +59,8 @@ def test_kernel_times_line_and_incomplete_log(tmp_path):
     log = tmp_path / "ncu.log"
     log.write_text(NCU_LOG)
     script = ROOT / "benchmarks/kernel_times.py"
-    done = subprocess.run(["python3", str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
     assert done.stdout.startswith("KTIME v32_h16 ours 166.3 us (ours alone: decode_kernel_small 164.0")
     log.write_text(NCU_LOG.split("  unnamed>")[0])  # no combine launch: not a time per call
-    done = subprocess.run(["python3", str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
     assert "incomplete" in done.stdout
