@@ -186,6 +186,7 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
   patches_of() { [[ $1 == base ]] || tr '+' '\n' <<<"$1" | sed 's#.*#benchmarks/patches/&.patch#'; }
   for v in ${VARIANTS:-base}; do
     stamp "variant $v"
+    vf=${v//+/_and_}  # file names: the transfer back refuses a "+"
     applied=()
     for patch in $(patches_of "$v"); do
       git apply "$patch" && applied=("$patch" "${applied[@]}") || break
@@ -195,15 +196,15 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
       summary+=("$v: does not apply"); continue
     fi
     touch ffi/cuda/*
-    if build_tree "-DCMAKE_CUDA_FLAGS=" "$OUT/build_$v.log"; then
-      timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py >"$OUT/smoke_$v.log" 2>&1
-      line=$(smoke_line "$OUT/smoke_$v.log")
+    if build_tree "-DCMAKE_CUDA_FLAGS=" "$OUT/build_$vf.log"; then
+      timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py >"$OUT/smoke_$vf.log" 2>&1
+      line=$(smoke_line "$OUT/smoke_$vf.log")
       summary+=("$v: $line")
       if smoke_passed "$line" && [[ ${VARIANT_TIMER:-ktime} == ours && -f .anchor/side_by_side.py ]]; then
         # Our kernels alone under ncu (FlashMLA's time does not change from variant to variant:
         # take it once, from a `base` variant or the anchor stage, and save its launches here).
         # The logs stay on the device (only 8 files come back from $OUT); a failed one is tailed.
-        logs=/tmp/variant_logs/$v; mkdir -p "$logs"
+        logs=/tmp/variant_logs/$vf; mkdir -p "$logs"
         for sh in ${KSHAPES:-v32_h16_s2_b128_k2048}; do
           # ktime.sh's own timing of our kernels (side_by_side.time_ours), without FlashMLA.
           timeout ${KTIME_T:-150} ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
@@ -214,11 +215,11 @@ s.time_ours(shape, bench.make_inputs(shape, max(bench._sets_for(shape), bench.CA
           summary+=("$v: $(python3 benchmarks/kernel_times.py "$logs/ncu_$sh.log" "$sh")")
         done
       elif smoke_passed "$line" && [[ -f .anchor/ktime.sh ]]; then
-        OUT="$OUT/$v" KSHAPES="${KSHAPES:-v32_h16_s2_b128_k2048}" bash .anchor/ktime.sh >/dev/null 2>&1
-        while read -r k; do summary+=("$v: $k"); done < <(grep KTIME "$OUT/$v/ktime.txt" 2>/dev/null)
+        OUT="$OUT/$vf" KSHAPES="${KSHAPES:-v32_h16_s2_b128_k2048}" bash .anchor/ktime.sh >/dev/null 2>&1
+        while read -r k; do summary+=("$v: $k"); done < <(grep KTIME "$OUT/$vf/ktime.txt" 2>/dev/null)
       fi
     else
-      summary+=("$v: build FAILED (build_$v.log)")
+      summary+=("$v: build FAILED (build_$vf.log)")
     fi
     for patch in "${applied[@]}"; do git apply -R "$patch"; done  # newest first
   done
