@@ -64,21 +64,42 @@ __global__ void __launch_bounds__(kCombineThreads)
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const float g = log2f(sum) + mx;
 
-  // Lane handles columns 4*lane + 128*i (i < 4): coalesced float4 reads.
+  // Lane handles columns 4*lane + 128*i (i < 4): coalesced float4 reads. The pieces'
+  // weights are computed by one lane each, 32 at a time, and kInFlight pieces are loaded
+  // before any is added (a loop that adds each piece as it arrives waits out one memory
+  // latency per piece: with one block a piece, that was most of a small batch's combine).
+  // The sum runs in piece order, as one piece at a time would.
+  constexpr int kInFlight = 8;
+  const int64_t piece_stride = static_cast<int64_t>(s_q) * h_q * kDimV;
+  const float4* src0 = reinterpret_cast<const float4*>(
+      out_accum + ((static_cast<int64_t>(first) * s_q + s) * h_q + h) * kDimV);
   float acc[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-  for (int k = 0; k < pieces; ++k) {
-    const float wk = exp2f(lse_of(k) - g);
-    const float4* src = reinterpret_cast<const float4*>(
-        out_accum + ((static_cast<int64_t>(first + k) * s_q + s) * h_q + h) * kDimV);
+  for (int k32 = 0; k32 < pieces; k32 += 32) {
+    const int n = min(32, pieces - k32);  // pieces of this round, warp-uniform
+    const float w_lane = lane < n ? exp2f(lse_of(k32 + lane) - g) : 0.f;
+    for (int k0 = 0; k0 < n; k0 += kInFlight) {
+      float4 v[kInFlight][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 v = src[lane + 32 * i];
-      acc[4 * i + 0] += wk * v.x;
-      acc[4 * i + 1] += wk * v.y;
-      acc[4 * i + 2] += wk * v.z;
-      acc[4 * i + 3] += wk * v.w;
+      for (int u = 0; u < kInFlight; ++u)
+        if (k0 + u < n) {
+          const float4* src = src0 + (k32 + k0 + u) * (piece_stride / 4);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v[u][i] = src[lane + 32 * i];
+        }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const float wk = __shfl_sync(0xffffffffu, w_lane, (k0 + u) & 31);
+        if (k0 + u < n)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[4 * i + 0] += wk * v[u][i].x;
+            acc[4 * i + 1] += wk * v[u][i].y;
+            acc[4 * i + 2] += wk * v[u][i].z;
+            acc[4 * i + 3] += wk * v[u][i].w;
+          }
+      }
     }
   }
   const float lse_nat = g * 0.69314718055994531f;
