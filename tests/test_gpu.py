@@ -249,18 +249,33 @@ def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts, h_q):
     call_case = _on(_with_lengths(case, new, extra), GPU)
     plan = _plan(stale_case, num_parts=num_parts)
     out, lse = _decode(**call_case, plan=plan)
+    # The same kernel on a plan made for the call's lengths: a request the stale plan still
+    # covers must agree with it request by request (only the split points may differ), which
+    # catches any missing or extra block however small the outputs are.
+    fresh_out, fresh_lse = _decode(**call_case, plan=_plan(call_case, num_parts=num_parts))
     ref_out, ref_lse = _reference(**call_case)
     out, lse, ref_out, ref_lse = _np(out), np.asarray(lse), _np(ref_out), np.asarray(ref_lse)
+    fresh_out, fresh_lse = _np(fresh_out), np.asarray(fresh_lse)
     extra_topk = 0 if extra is None else int(np.max(extra))
     blocks_old = request_blocks(old, topk, extra, extra_topk)
     blocks_new = request_blocks(new, topk, extra, extra_topk)
+    finite = []
     for r in range(b):
         if np.isnan(out[r]).any() or np.isnan(lse[r]).any():
             assert np.isnan(out[r]).all() and np.isnan(lse[r]).all(), f"request {r}: partly NaN"
             assert blocks_old[r] != blocks_new[r], f"request {r}: NaN although its block count did not move"
         else:
-            assert_out_close(out[r], ref_out[r])
-            assert_lse_close(lse[r], ref_lse[r])
+            assert_out_close(out[r], fresh_out[r])
+            assert_lse_close(lse[r], fresh_lse[r])
+            finite.append(r)
+    # Against the reference, the tolerances as the spec states them: elementwise, and the cosine
+    # rule over the whole tensor (here every request that came out finite). Applied to one
+    # request of 16 heads alone, the cosine rule is stricter than the spec and failed on bf16
+    # rounding alone (seed 1990244600: 5.31e-6 for a request the fresh plan gives the same;
+    # benchmarks/NOTES.md, session 10).
+    if finite:
+        assert_out_close(out[finite], ref_out[finite])
+        assert_lse_close(lse[finite], ref_lse[finite])
     # Where a worker's boundary no longer matches its request's block count, NaN is certain.
     for row in np.asarray(plan.sched):
         begin_req, end_req, begin_block, end_block, is_last = (int(row[k]) for k in (0, 1, 2, 3, 6))
