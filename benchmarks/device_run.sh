@@ -181,7 +181,7 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
   # or "base" for the tree as it is) applied, built, smoked and timed against FlashMLA on $KSHAPES
   # (VARIANT_TIMER=ours: our kernels alone, faster), then reverted. Runs last: the build left
   # behind is the last variant's.
-  [[ -f .anchor/ktime.sh ]] && python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1
+  [[ -f .anchor/ktime.sh && ${VARIANT_TIMER:-ktime} != ours ]] && python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1
   # "a+b": patches a and b together, applied in that order
   patches_of() { [[ $1 == base ]] || tr '+' '\n' <<<"$1" | sed 's#.*#benchmarks/patches/&.patch#'; }
   for v in ${VARIANTS:-base}; do
@@ -205,14 +205,21 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
         # take it once, from a `base` variant or the anchor stage, and save its launches here).
         # The logs stay on the device (only 8 files come back from $OUT); a failed one is tailed.
         logs=/tmp/variant_logs/$vf; mkdir -p "$logs"
-        for sh in ${KSHAPES:-v32_h16_s2_b128_k2048}; do
-          # ktime.sh's own timing of our kernels (side_by_side.time_ours), without FlashMLA.
-          timeout ${KTIME_T:-150} ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum \
-            -k regex:"decode_kernel|combine_kernel" python3 -c "import sys; sys.path.insert(0, '.anchor')
+        # VARIANT_ENVS: environment settings to time each shape under ("A=1,B=2" sets two;
+        # "-" none), e.g. the knobs of sensitivity.patch.
+        for e in ${VARIANT_ENVS:--}; do
+          tag=$v; envs=(); [[ $e == - ]] || { tag="$v[$e]"; envs=(${e//,/ }); }
+          for sh in ${KSHAPES:-v32_h16_s2_b128_k2048}; do
+            # ktime.sh's own timing of our kernels (side_by_side.time_ours), without FlashMLA.
+            log="$logs/ncu_${sh}_${e//[^A-Za-z0-9]/_}.log"
+            timeout ${KTIME_T:-150} env "${envs[@]}" ncu --clock-control none --cache-control none \
+              --metrics gpu__time_duration.sum -k regex:"decode_kernel|combine_kernel" \
+              python3 -c "import sys; sys.path.insert(0, '.anchor')
 import side_by_side as s; from jax_sparse_mla import bench; shape = bench.PRESETS['$sh']
 s.time_ours(shape, bench.make_inputs(shape, max(bench._sets_for(shape), bench.CALLS_PER_TIMING)), 3)" \
-            >"$logs/ncu_$sh.log" 2>&1 || tail -5 "$logs/ncu_$sh.log"
-          summary+=("$v: $(python3 benchmarks/kernel_times.py "$logs/ncu_$sh.log" "$sh")")
+              >"$log" 2>&1 || tail -5 "$log"
+            summary+=("$tag: $(python3 benchmarks/kernel_times.py "$log" "$sh")")
+          done
         done
       elif smoke_passed "$line" && [[ -f .anchor/ktime.sh ]]; then
         OUT="$OUT/$vf" KSHAPES="${KSHAPES:-v32_h16_s2_b128_k2048}" bash .anchor/ktime.sh >/dev/null 2>&1
