@@ -270,9 +270,9 @@ def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts, h_q):
             finite.append(r)
     # Against the reference, the tolerances as the spec states them: elementwise, and the cosine
     # rule over the whole tensor (here every request that came out finite). Applied to one
-    # request of 16 heads alone, the cosine rule is stricter than the spec and failed on bf16
-    # rounding alone (seed 1990244600: 5.31e-6 for a request the fresh plan gives the same;
-    # benchmarks/NOTES.md, session 10).
+    # request of 16 heads alone, the cosine rule is stricter than the spec and failed on the
+    # kernel's own rounding, not on the stale plan (seed 1990244600: 5.31e-6 for a request that
+    # fresh plans give the same; benchmarks/NOTES.md, session 10).
     if finite:
         assert_out_close(out[finite], ref_out[finite])
         assert_lse_close(lse[finite], ref_lse[finite])
