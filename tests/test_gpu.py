@@ -206,6 +206,17 @@ def test_many_splits(fmt, num_parts, h_q):
     _check(case, plan=plan)
 
 
+@pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
+def test_combine_more_pieces_than_a_warp(h_q):
+    """Requests cut into 70 pieces: more than the 32 weights the combine kernel holds at a time,
+    and a last round (6) that is not a multiple of the 8 pieces it loads at once."""
+    case = make_case(fresh_rng(), V32, b=2, s_q=1, h_q=h_q, topk=70 * 64, page_size=64, num_blocks=80,
+                     with_sink=True)
+    plan = _plan(_on(case, GPU), num_parts=300)
+    assert np.diff(np.asarray(plan.num_splits)).min() == 70, "expected every request cut into 70 pieces"
+    _check(case, plan=plan)
+
+
 def test_default_plan_fits_device():
     """Without num_parts the CUDA planner uses at most SMs / (s_q * head groups) workers."""
     case = _on(make_case(fresh_rng(), V32, b=40, s_q=2, h_q=128, topk=256, page_size=64, num_blocks=40), GPU)
