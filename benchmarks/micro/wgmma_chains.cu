@@ -1,7 +1,8 @@
 // Cycles a warpgroup's wgmma sequences take on one SM, in the shapes the decode kernels
 // issue (benchmarks/NOTES.md, session 10): does a chain of products into one accumulator
 // run at the tensor pipe's rate, or does each wait for the previous one's result?
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I ffi benchmarks/micro/wgmma_chains.cu -o /tmp/wgmma_chains
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi \
+//     -I$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") benchmarks/micro/wgmma_chains.cu -o /tmp/wgmma_chains
 // One CTA per SM, operands in shared memory (zeros).
 // Each case: `kReps` times (fence, the sequence, commit, wait); cycles per repetition,
 // the median over the SMs.
@@ -13,11 +14,10 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/cuda_util.cuh"
 #include "cuda/wgmma.cuh"
 
 using namespace jsm::cuda;
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
 constexpr int kReps = 256;
 constexpr int kRows = 64;              // tokens of a K tile
