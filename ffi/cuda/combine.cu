@@ -14,19 +14,28 @@ namespace jsm {
 namespace cuda {
 namespace {
 
-constexpr int kCombineThreads = 256;  // one warp per (request, query row, head)
+constexpr int kCombineThreads = 128;
 
 // max that keeps NaN (fmaxf drops it): a NaN piece must not make a row look empty.
 __device__ __forceinline__ float max_keep_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 
+// kWarpsPerRow warps share one (request, query row, head): each adds up 512 / kWarpsPerRow
+// columns. Few rows (a small batch) take several warps each, so that more SMs read the
+// pieces and more of them are in flight at once.
+template <int kWarpsPerRow>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float* __restrict__ out_accum, const float* __restrict__ lse_accum,
                    const int32_t* __restrict__ num_splits, const float* __restrict__ attn_sink,
                    int64_t sink_stride, int batch, int s_q, int h_q, int64_t num_slots, bool has_sink,
                    uint16_t* __restrict__ out,
                    float* __restrict__ lse) {
+  constexpr int kColumns = kDimV / kWarpsPerRow;  // this warp's columns of the row
+  constexpr int kVecs = kColumns / 128;           // float4s a lane reads per piece
   const int lane = threadIdx.x & 31;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * (kCombineThreads / 32) + (threadIdx.x >> 5);
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kCombineThreads / 32) + (threadIdx.x >> 5);
+  const int64_t item = warp / kWarpsPerRow;
+  const int col0 = static_cast<int>(warp % kWarpsPerRow) * kColumns;
+  const bool writes_lse = lane == 0 && col0 == 0;
   const int64_t per_req = static_cast<int64_t>(s_q) * h_q;
   if (item >= per_req * batch) return;
   const int r = static_cast<int>(item / per_req);
@@ -36,13 +45,13 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int first = num_splits[r];
   const int pieces = num_splits[r + 1] - first;
   if (pieces == 1) return;  // written directly by the decode kernel
-  const int64_t out_off = ((static_cast<int64_t>(r) * s_q + s) * h_q + h) * kDimV;
+  const int64_t out_off = ((static_cast<int64_t>(r) * s_q + s) * h_q + h) * kDimV + col0;
   const int64_t lse_off = (static_cast<int64_t>(r) * h_q + h) * s_q + s;
   // A plan whose pieces fall outside the partial buffers (a hand-made one): NaN, and
   // nothing read out of bounds.
   if (pieces < 1 || first < 0 || static_cast<int64_t>(first) + pieces > num_slots) {
-    for (int c = lane; c < kDimV / 2; c += 32) reinterpret_cast<uint32_t*>(out + out_off)[c] = 0x7fc07fc0u;
-    if (lane == 0) lse[lse_off] = NAN;
+    for (int c = lane; c < kColumns / 2; c += 32) reinterpret_cast<uint32_t*>(out + out_off)[c] = 0x7fc07fc0u;
+    if (writes_lse) lse[lse_off] = NAN;
     return;
   }
 
@@ -54,8 +63,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   for (int o = 16; o > 0; o >>= 1) mx = max_keep_nan(mx, __shfl_xor_sync(0xffffffffu, mx, o));
 
   if (mx == -INFINITY) {  // every piece empty
-    for (int c = lane; c < kDimV / 2; c += 32) reinterpret_cast<uint32_t*>(out + out_off)[c] = 0u;
-    if (lane == 0) lse[lse_off] = INFINITY;
+    for (int c = lane; c < kColumns / 2; c += 32) reinterpret_cast<uint32_t*>(out + out_off)[c] = 0u;
+    if (writes_lse) lse[lse_off] = INFINITY;
     return;
   }
   float sum = 0.f;
@@ -64,36 +73,36 @@ __global__ void __launch_bounds__(kCombineThreads)
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const float g = log2f(sum) + mx;
 
-  // Lane handles columns 4*lane + 128*i (i < 4): coalesced float4 reads. The pieces'
-  // weights are computed by one lane each, 32 at a time, and kInFlight pieces are loaded
-  // before any is added (a loop that adds each piece as it arrives waits out one memory
-  // latency per piece: with one block a piece, that was most of a small batch's combine).
-  // The sum runs in piece order, as one piece at a time would.
-  constexpr int kInFlight = 8;
+  // Lane handles columns col0 + 4*lane + 128*i (i < kVecs): coalesced float4 reads. The
+  // pieces' weights are computed by one lane each, 32 at a time, and kInFlight pieces are
+  // loaded before any is added (a loop that adds each piece as it arrives waits out one
+  // memory latency per piece: with one block a piece, that was most of a small batch's
+  // combine). The sum runs in piece order, as one piece at a time would.
+  constexpr int kInFlight = 8 * kWarpsPerRow;  // the same registers whatever the split
   const int64_t piece_stride = static_cast<int64_t>(s_q) * h_q * kDimV;
   const float4* src0 = reinterpret_cast<const float4*>(
-      out_accum + ((static_cast<int64_t>(first) * s_q + s) * h_q + h) * kDimV);
-  float acc[16];
+      out_accum + ((static_cast<int64_t>(first) * s_q + s) * h_q + h) * kDimV + col0);
+  float acc[4 * kVecs];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+  for (int i = 0; i < 4 * kVecs; ++i) acc[i] = 0.f;
   for (int k32 = 0; k32 < pieces; k32 += 32) {
     const int n = min(32, pieces - k32);  // pieces of this round, warp-uniform
     const float w_lane = lane < n ? exp2f(lse_of(k32 + lane) - g) : 0.f;
     for (int k0 = 0; k0 < n; k0 += kInFlight) {
-      float4 v[kInFlight][4];
+      float4 v[kInFlight][kVecs];
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u)
         if (k0 + u < n) {
           const float4* src = src0 + (k32 + k0 + u) * (piece_stride / 4);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) v[u][i] = src[lane + 32 * i];
+          for (int i = 0; i < kVecs; ++i) v[u][i] = src[lane + 32 * i];
         }
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u) {
         const float wk = __shfl_sync(0xffffffffu, w_lane, (k0 + u) & 31);
         if (k0 + u < n)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
+          for (int i = 0; i < kVecs; ++i) {
             acc[4 * i + 0] += wk * v[u][i].x;
             acc[4 * i + 1] += wk * v[u][i].y;
             acc[4 * i + 2] += wk * v[u][i].z;
@@ -106,7 +115,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   float f = 1.f;
   if (has_sink) f = 1.f / (1.f + expf(attn_sink[r * sink_stride + h] - lse_nat));
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kVecs; ++i) {
     uint2 packed;
     packed.x = static_cast<uint32_t>(float_to_bf16_bits(acc[4 * i + 0] * f)) |
                (static_cast<uint32_t>(float_to_bf16_bits(acc[4 * i + 1] * f)) << 16);
@@ -114,7 +123,25 @@ __global__ void __launch_bounds__(kCombineThreads)
                (static_cast<uint32_t>(float_to_bf16_bits(acc[4 * i + 3] * f)) << 16);
     reinterpret_cast<uint2*>(out + out_off)[lane + 32 * i] = packed;
   }
-  if (lane == 0) lse[lse_off] = lse_nat;
+  if (writes_lse) lse[lse_off] = lse_nat;
+}
+
+// Warps per row: as many (up to 4) as keep the grid within one wave. The kernel's registers
+// (168-227 a thread) leave room for at least 8 resident warps an SM; a grid beyond one wave
+// would pay for its extra warps in whole extra waves.
+int combine_warps_per_row(int64_t rows, int sms) {
+  constexpr int64_t kResidentWarpsPerSm = 8;
+  for (int w : {4, 2}) {
+    if (rows * w <= kResidentWarpsPerSm * sms) return w;
+  }
+  return 1;
+}
+
+template <int kWarpsPerRow>
+void launch_combine(const CombineProblem& p, int64_t blocks, cudaStream_t stream) {
+  combine_kernel<kWarpsPerRow><<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(
+      p.out_accum, p.lse_accum, p.num_splits, p.attn_sink, p.sink_stride, p.batch, p.s_q, p.h_q,
+      static_cast<int64_t>(p.batch) + p.num_parts, p.has_sink, p.out, p.lse);
 }
 
 ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer out_in, ffi::Buffer<ffi::F32> lse_in,
@@ -134,13 +161,17 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer out_in, ffi::Buffer<
     if (e != cudaSuccess) return cuda_failure("combine: copying lse", e);
   }
   if (rows == 0) return ffi::Error::Success();
+  int sms = 0;
+  JSM_RETURN_IF_ERROR(current_sm_count(&sms));
+  const int warps_per_row = combine_warps_per_row(rows, sms);
   const int64_t warps_per_block = kCombineThreads / 32;
-  const int64_t blocks = (rows + warps_per_block - 1) / warps_per_block;
+  const int64_t blocks = (rows * warps_per_row + warps_per_block - 1) / warps_per_block;
   if (blocks > 0x7fffffffLL) return invalid("combine: problem too large");
-  combine_kernel<<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(
-      p.out_accum, p.lse_accum, p.num_splits, p.attn_sink, p.sink_stride, p.batch, p.s_q, p.h_q,
-      static_cast<int64_t>(p.batch) + p.num_parts, p.has_sink, p.out,
-      p.lse);
+  switch (warps_per_row) {
+    case 4: launch_combine<4>(p, blocks, stream); break;
+    case 2: launch_combine<2>(p, blocks, stream); break;
+    default: launch_combine<1>(p, blocks, stream); break;
+  }
   return check_launch("combine_kernel");
 }
 
