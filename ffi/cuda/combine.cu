@@ -20,9 +20,11 @@ constexpr int kCombineThreads = 128;
 __device__ __forceinline__ float max_keep_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 
 // kWarpsPerRow warps share one (request, query row, head): each adds up 512 / kWarpsPerRow
-// columns. Few rows (a small batch) take several warps each, so that more SMs read the
-// pieces and more of them are in flight at once.
-template <int kWarpsPerRow>
+// columns, loading kInFlight pieces before adding any. Few rows (a small batch) take several
+// warps each and many pieces in flight, so that more SMs read the pieces; many rows (a large
+// batch: mostly one or two pieces a row) take one warp each with few registers, so that
+// more warps fit on an SM (combine_shape).
+template <int kWarpsPerRow, int kInFlight>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float* __restrict__ out_accum, const float* __restrict__ lse_accum,
                    const int32_t* __restrict__ num_splits, const float* __restrict__ attn_sink,
@@ -78,7 +80,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   // loaded before any is added (a loop that adds each piece as it arrives waits out one
   // memory latency per piece: with one block a piece, that was most of a small batch's
   // combine). The sum runs in piece order, as one piece at a time would.
-  constexpr int kInFlight = 8 * kWarpsPerRow;  // the same registers whatever the split
   const int64_t piece_stride = static_cast<int64_t>(s_q) * h_q * kDimV;
   const float4* src0 = reinterpret_cast<const float4*>(
       out_accum + ((static_cast<int64_t>(first) * s_q + s) * h_q + h) * kDimV + col0);
@@ -126,20 +127,16 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (writes_lse) lse[lse_off] = lse_nat;
 }
 
-// Warps per row: as many (up to 4) as keep the grid within one wave. The kernel's registers
-// (168-227 a thread) leave room for at least 8 resident warps an SM; a grid beyond one wave
-// would pay for its extra warps in whole extra waves.
-int combine_warps_per_row(int64_t rows, int sms) {
-  constexpr int64_t kResidentWarpsPerSm = 8;
-  for (int w : {4, 2}) {
-    if (rows * w <= kResidentWarpsPerSm * sms) return w;
-  }
-  return 1;
-}
-
-template <int kWarpsPerRow>
-void launch_combine(const CombineProblem& p, int64_t blocks, cudaStream_t stream) {
-  combine_kernel<kWarpsPerRow><<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(
+// Few rows: up to 4 warps a row, as many as keep the grid within one wave (these variants
+// use 168-227 registers a thread: 8 resident warps an SM; a grid beyond one wave pays for
+// its extra warps in whole waves). Many rows: one warp a row, two pieces in flight (~80
+// registers: three times the warps an SM, which a large batch's one- and two-piece rows
+// need more than deep prefetch).
+template <int kWarpsPerRow, int kInFlight>
+void launch_combine(const CombineProblem& p, int64_t rows, cudaStream_t stream) {
+  constexpr int64_t kWarpsPerBlock = kCombineThreads / 32;
+  const int64_t blocks = (rows * kWarpsPerRow + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  combine_kernel<kWarpsPerRow, kInFlight><<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(
       p.out_accum, p.lse_accum, p.num_splits, p.attn_sink, p.sink_stride, p.batch, p.s_q, p.h_q,
       static_cast<int64_t>(p.batch) + p.num_parts, p.has_sink, p.out, p.lse);
 }
@@ -161,16 +158,17 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer out_in, ffi::Buffer<
     if (e != cudaSuccess) return cuda_failure("combine: copying lse", e);
   }
   if (rows == 0) return ffi::Error::Success();
+  if (rows > 0x7fffffffLL) return invalid("combine: problem too large");
   int sms = 0;
   JSM_RETURN_IF_ERROR(current_sm_count(&sms));
-  const int warps_per_row = combine_warps_per_row(rows, sms);
-  const int64_t warps_per_block = kCombineThreads / 32;
-  const int64_t blocks = (rows * warps_per_row + warps_per_block - 1) / warps_per_block;
-  if (blocks > 0x7fffffffLL) return invalid("combine: problem too large");
-  switch (warps_per_row) {
-    case 4: launch_combine<4>(p, blocks, stream); break;
-    case 2: launch_combine<2>(p, blocks, stream); break;
-    default: launch_combine<1>(p, blocks, stream); break;
+  constexpr int64_t kResidentWarpsPerSm = 8;  // of the few-rows variants
+  const int64_t one_wave = kResidentWarpsPerSm * sms;
+  if (rows * 4 <= one_wave) {
+    launch_combine<4, 32>(p, rows, stream);
+  } else if (rows * 2 <= one_wave) {
+    launch_combine<2, 16>(p, rows, stream);
+  } else {
+    launch_combine<1, 2>(p, rows, stream);
   }
   return check_launch("combine_kernel");
 }
