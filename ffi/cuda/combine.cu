@@ -129,9 +129,9 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 // Few rows: up to 4 warps a row, as many as keep the grid within one wave (these variants
 // use 168-227 registers a thread: 8 resident warps an SM; a grid beyond one wave pays for
-// its extra warps in whole waves). Many rows: one warp a row, two pieces in flight (~80
-// registers: three times the warps an SM, which a large batch's one- and two-piece rows
-// need more than deep prefetch).
+// its extra warps in whole waves). Many rows: one warp a row, two pieces in flight (91
+// registers: 20 resident warps an SM, which a large batch's one- and two-piece rows need
+// more than deep prefetch).
 template <int kWarpsPerRow, int kInFlight>
 void launch_combine(const CombineProblem& p, int64_t rows, cudaStream_t stream) {
   constexpr int64_t kWarpsPerBlock = kCombineThreads / 32;
