@@ -112,12 +112,14 @@ fi
 if has ncu; then  # hardware counters and per-instruction counts/stalls of one decode launch
   stamp ncu
   # (--set full crashes the JAX process at start-up; these sections work)
-  timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel -c 1 --import-source yes \
+  # NCU_SKIP: decode launches to skip first (the first is cold: b = 1 h128 took 19.0 us there
+  # against 15.4 in steady state); the bench makes 8+ launches per iteration.
+  timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel --launch-skip ${NCU_SKIP:-0} -c 1 --import-source yes \
     --section SpeedOfLight --section WarpStateStats --section InstructionStats --section LaunchStats \
     --section Occupancy --section SchedulerStats --section ComputeWorkloadAnalysis \
     --section MemoryWorkloadAnalysis --section SourceCounters -o /tmp/prof -f \
     python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
-    --iters 1 >"$OUT/ncu.log" 2>&1
+    --iters $(( NCU_SKIP > 0 ? 3 : 1 )) >"$OUT/ncu.log" 2>&1
   # The report itself stays on the device (no ncu here to open it); its pages come back.
   ncu -i /tmp/prof.ncu-rep --page details >"$OUT/ncu_details.txt" 2>&1
   ncu -i /tmp/prof.ncu-rep --page source --print-source sass --csv >"$OUT/ncu_source.csv" 2>&1
@@ -130,6 +132,19 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
     python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
     --iters 1 >"$OUT/ncu_breakdown.txt" 2>&1
   summary+=("ncu breakdown: $(grep -c '%' "$OUT/ncu_breakdown.txt") lines with %")
+  if [[ ${NCU_FM:-0} == 1 && -f .anchor/side_by_side.py ]]; then
+    # FlashMLA's decode kernel on the same inputs, same sections (its launches: no JAX warm-up,
+    # so the same skip is a steady-state launch too). Two more files: keep STAGES to "build ncu".
+    python3 .anchor/build_fm.py >/dev/null 2>&1
+    timeout ${NCU_T:-240} ncu --clock-control none -k regex:flash_fwd_splitkv --launch-skip ${NCU_SKIP:-0} -c 1 \
+      --import-source yes --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+      --section LaunchStats --section Occupancy --section SchedulerStats --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section SourceCounters -o /tmp/prof_fm -f \
+      python3 .anchor/side_by_side.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} >/dev/null 2>&1
+    ncu -i /tmp/prof_fm.ncu-rep --page details >"$OUT/ncu_fm_details.txt" 2>&1
+    ncu -i /tmp/prof_fm.ncu-rep --page source --print-source sass --csv >"$OUT/ncu_fm_source.csv" 2>&1
+    summary+=("ncu FlashMLA: $(wc -l <"$OUT/ncu_fm_details.txt") detail lines")
+  fi
 fi
 
 if has sanitize; then
