@@ -1,7 +1,8 @@
 """The device-side tools in benchmarks/ still build against the current kernel sources (their
 runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, and the
-minimal kernels that reproduce racecheck's reports (named-barrier and mbarrier hand-offs); and the
-parser that turns an ncu log into our kernel time per call (benchmarks/kernel_times.py)."""
+minimal kernels that reproduce racecheck's reports (named-barrier and mbarrier hand-offs); the
+parser that turns an ncu log into our kernel time per call (benchmarks/kernel_times.py); and the
+NumPy model of the 16-head kernel's rounding (benchmarks/numerics_probe.py)."""
 
 import shutil
 import subprocess
@@ -11,7 +12,13 @@ from pathlib import Path
 import jax.ffi
 import pytest
 
+import numpy as np
+
+import jax_sparse_mla as jsm
 from benchmarks.kernel_times import kernel_medians
+from benchmarks.numerics_probe import model_decode, stale_plan_case
+from tests.utils import assert_out_close, fresh_rng
+from tests.utils.np_reference import np_sparse_mla_decode
 
 ROOT = Path(__file__).resolve().parent.parent
 NVCC = shutil.which("nvcc")
@@ -64,3 +71,16 @@ def test_kernel_times_line_and_incomplete_log(tmp_path):
     log.write_text(NCU_LOG.split("  unnamed>")[0])  # no combine launch: not a time per call
     done = subprocess.run([sys.executable, str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
     assert "incomplete" in done.stdout
+
+
+@pytest.mark.parametrize("rounded_sums", [False, True])
+@pytest.mark.parametrize("fmt", [jsm.KVFormat.V32, jsm.KVFormat.MODEL1])
+def test_numerics_model_meets_the_spec(fmt, rounded_sums):
+    # The model rounds as the GPU does (bf16 P, the lazy maximum, fp32 sums): it must meet the
+    # tolerances the GPU is held to, against the float64 definition, on the probe's case.
+    seed = int(fresh_rng().integers(2**31))
+    case = stale_plan_case(seed, fmt, 16)
+    exact, _ = np_sparse_mla_decode(**{k: v if k == "sm_scale" else np.asarray(v) for k, v in case.items()})
+    model = model_decode(case, rounded_sums=rounded_sums)
+    assert np.isfinite(model).all() and np.abs(model).max() > 0
+    assert_out_close(model, exact)
