@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax_sparse_mla as jsm  # noqa: E402
-from tests.utils import make_case, soften  # noqa: E402
+from tests.utils import stale_lengths_case  # noqa: E402
 from tests.utils.np_formats import np_dequantize_kv  # noqa: E402
 from tests.utils.np_reference import np_sparse_mla_decode, valid_mask  # noqa: E402
 
@@ -48,21 +48,11 @@ def bf16(x):
 
 def stale_plan_case(seed, fmt, h_q):
     """The case of tests/test_gpu.py::test_stale_plan_gives_nan_never_a_finite_wrong_answer for
-    `seed`, with the lengths the call uses (the random draws in the test's order)."""
-    rng = np.random.default_rng(seed)
-    b, topk = 5, 320
-    extra = fmt == jsm.KVFormat.MODEL1
-    case = soften(make_case(rng, fmt, b=b, s_q=2, h_q=h_q, topk=topk, page_size=64, num_blocks=40,
-                            extra_topk=100 if extra else 0, extra_page_size=64, extra_num_blocks=8,
-                            with_sink=True))
-    old = rng.integers(0, topk + 1, size=b)
-    new = old.copy()
-    moved = rng.choice(b, size=3, replace=False)
-    new[moved] = (old[moved] + 64 * rng.integers(1, 4, size=3)) % (topk + 1)
-    new[-1] = topk
+    `seed`, with the lengths its call uses."""
+    case, _, new, extra = stale_lengths_case(np.random.default_rng(seed), fmt, h_q)
     case["topk_length"] = jnp.asarray(new, jnp.int32)
-    if extra:
-        case["extra_topk_length"] = jnp.full((b,), 100, jnp.int32)
+    if extra is not None:
+        case["extra_topk_length"] = jnp.asarray(extra, jnp.int32)
     return case
 
 

@@ -34,6 +34,7 @@ from tests.utils import (
     np_sparse_mla_decode,
     request_blocks,
     soften,
+    stale_lengths_case,
 )
 
 
@@ -209,11 +210,27 @@ def test_many_splits(fmt, num_parts, h_q):
 @pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
 def test_combine_more_pieces_than_a_warp(h_q):
     """Requests cut into 70 pieces: more than the 32 weights the combine kernel holds at a time,
-    and a last round (6) that is not a multiple of the 8 pieces it loads at once."""
+    and a last round (6) that is not a multiple of the pieces it loads at once."""
     case = make_case(fresh_rng(), V32, b=2, s_q=1, h_q=h_q, topk=70 * 64, page_size=64, num_blocks=80,
                      with_sink=True)
     plan = _plan(_on(case, GPU), num_parts=300)
     assert np.diff(np.asarray(plan.num_splits)).min() == 70, "expected every request cut into 70 pieces"
+    _check(case, plan=plan)
+
+
+@pytest.mark.parametrize("warps_per_row", [4, 2, 1])
+def test_combine_shape_follows_the_row_count(warps_per_row):
+    """The combine kernel's shape follows the row count (ffi/cuda/combine.cu): up to 2 x SMs
+    rows take four warps a row (32 pieces in flight), up to 4 x SMs two (16), more one (2).
+    A batch at the top of each regime (the last at its bottom), 35 pieces a request: a round of
+    32 weights and a remainder of 3 that is not a multiple of the pieces in flight."""
+    sms = getattr(GPU, "core_count", 132)
+    h_q, pieces = 16, 35
+    b = {4: 2 * sms // h_q, 2: 4 * sms // h_q, 1: 4 * sms // h_q + 1}[warps_per_row]
+    case = make_case(fresh_rng(), V32, b=b, s_q=1, h_q=h_q, topk=pieces * 64, page_size=64, num_blocks=80,
+                     with_sink=True)
+    plan = _plan(_on(case, GPU), num_parts=2 * pieces * b)  # one block a worker: the fixed cost per request
+    assert np.diff(np.asarray(plan.num_splits)).min() == pieces, f"expected every request cut into {pieces} pieces"
     _check(case, plan=plan)
 
 
@@ -243,19 +260,8 @@ def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts, h_q):
     without a host sync, so every request comes out either right (the plan still covers
     its blocks) or NaN in out and lse, never finite and wrong; where the block counts of
     a worker's boundary moved, NaN is certain."""
-    rng = fresh_rng()
-    b, topk = 5, 320
-    # Every list entry is a real token (no lengths in the case itself: an entry past a length
-    # may point at NaN bytes, which longer lengths here would then read).
-    case = soften(make_case(rng, fmt, b=b, s_q=2, h_q=h_q, topk=topk, page_size=64, num_blocks=40,
-                            extra_topk=100 if fmt == MODEL1 else 0, extra_page_size=64, extra_num_blocks=8,
-                            with_sink=True))
-    old = rng.integers(0, topk + 1, size=b)
-    new = old.copy()
-    moved = rng.choice(b, size=3, replace=False)
-    new[moved] = (old[moved] + 64 * rng.integers(1, 4, size=3)) % (topk + 1)  # mostly other block counts
-    old[-1], new[-1] = 10, topk  # the last worker always ends the last request: certainly caught
-    extra = np.full(b, 100) if fmt == MODEL1 else None
+    case, old, new, extra = stale_lengths_case(fresh_rng(), fmt, h_q)
+    b, topk = case["indices"].shape[0], case["indices"].shape[-1]
     stale_case = _on(_with_lengths(case, old, extra), GPU)
     call_case = _on(_with_lengths(case, new, extra), GPU)
     plan = _plan(stale_case, num_parts=num_parts)

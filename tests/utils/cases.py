@@ -168,6 +168,27 @@ def soften(case, shift=SOFTEN_SHIFT):
     return case
 
 
+def stale_lengths_case(rng, fmt, h_q):
+    """The stale-plan case: 5 requests of 320 entries, every entry a real token (an entry past a
+    length could point at NaN bytes that other lengths would read), softened, with a sink. Returns
+    ``(case, old, new, extra)``: the lengths the plan is made for, the lengths of the call (3
+    requests moved by whole blocks, mostly to other block counts; the last request always longer,
+    so the last worker's end is certainly stale) and MODEL1's extra lengths (else None). The case
+    itself has no lengths."""
+    b, topk = 5, 320
+    model1 = fmt.d_qk == 512
+    case = soften(make_case(rng, fmt, b=b, s_q=2, h_q=h_q, topk=topk, page_size=64, num_blocks=40,
+                            extra_topk=100 if model1 else 0, extra_page_size=64, extra_num_blocks=8,
+                            with_sink=True))
+    old = rng.integers(0, topk + 1, size=b)
+    new = old.copy()
+    moved = rng.choice(b, size=3, replace=False)
+    new[moved] = (old[moved] + 64 * rng.integers(1, 4, size=3)) % (topk + 1)
+    old[-1], new[-1] = 10, topk
+    extra = np.full(b, 100) if model1 else None
+    return case, old, new, extra
+
+
 def fresh_rng():
     """A generator with a fresh seed every run; the seed is printed, so a failure shows it."""
     seed = np.random.SeedSequence().entropy % (2**32)
