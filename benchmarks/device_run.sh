@@ -56,7 +56,7 @@ fi
 if has pytest; then  # PYTEST_RUNS times in a row, each with fresh random seeds
   for run in $(seq 1 ${PYTEST_RUNS:-1}); do
     stamp "pytest run $run"
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PYTEST_T:-270} python3 -m pytest $PYTEST_ARGS -q -n ${PYTEST_N:-6} \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PYTEST_T:-270} python3 -m pytest $PYTEST_ARGS -q -n ${PYTEST_N:-8} \
       --timeout 240 -p no:cacheprovider -rfE --durations=12 2>&1 | tee "$OUT/pytest_$run.log" | tail -8
     summary+=("pytest run $run: $(grep -E '(passed|failed|error)' "$OUT/pytest_$run.log" | tail -1)")
   done
@@ -210,7 +210,12 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
       for patch in "${applied[@]}"; do git apply -R "$patch"; done
       summary+=("$v: does not apply"); continue
     fi
-    touch ffi/cuda/*
+    # Rebuild what this variant and the last one (reverted) changed: a patch of .cu files only
+    # (the combine's) recompiles those alone; one that touches a header, everything (the
+    # header dependencies of the CUDA sources are not trusted to be tracked).
+    changed=$(for patch in $(patches_of "$v") $last_patches; do git apply --numstat "$patch" | cut -f3; done)
+    if [[ -z $changed ]]; then :; elif grep -qv '\.cu$' <<<"$changed"; then touch ffi/cuda/*; else touch $changed; fi
+    last_patches=$(patches_of "$v")
     if build_tree "-DCMAKE_CUDA_FLAGS=" "$OUT/build_$vf.log"; then
       timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py >"$OUT/smoke_$vf.log" 2>&1
       line=$(smoke_line "$OUT/smoke_$vf.log")
