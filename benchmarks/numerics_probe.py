@@ -31,8 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax_sparse_mla as jsm  # noqa: E402
+from tests.utils import cosine_difference as cos_diff  # noqa: E402
 from tests.utils import stale_lengths_case  # noqa: E402
-from tests.utils.np_formats import np_dequantize_kv  # noqa: E402
+from tests.utils.np_formats import BF16, np_dequantize_kv  # noqa: E402
 from tests.utils.np_reference import np_sparse_mla_decode, valid_mask  # noqa: E402
 
 BLOCK = 64
@@ -43,7 +44,7 @@ F32 = np.float32
 
 def bf16(x):
     """Round float32 values to bfloat16 (nearest even) and back to float32."""
-    return np.asarray(jnp.asarray(np.asarray(x, F32)).astype(jnp.bfloat16).astype(jnp.float32))
+    return np.asarray(x, F32).astype(BF16).astype(F32)
 
 
 def stale_plan_case(seed, fmt, h_q):
@@ -58,13 +59,12 @@ def stale_plan_case(seed, fmt, h_q):
 
 def _lists(case, d_qk):
     """Per list (main, then extra): (dequantized tokens, indices, valid mask)."""
-    fmt = {576: "V32", 512: "MODEL1"}[d_qk]
     out = []
     for cache_key, idx_key, len_key in (("kv_cache", "indices", "topk_length"),
                                         ("extra_kv_cache", "extra_indices", "extra_topk_length")):
         if case.get(cache_key) is None:
             continue
-        tokens = np_dequantize_kv(np.asarray(case[cache_key]), fmt).reshape(-1, d_qk).astype(np.float64)
+        tokens = np_dequantize_kv(np.asarray(case[cache_key])).reshape(-1, d_qk).astype(np.float64)
         idx = np.asarray(case[idx_key])
         lens = case.get(len_key)
         out.append((tokens, idx, valid_mask(idx, None if lens is None else np.asarray(lens), tokens.shape[0])))
@@ -122,12 +122,6 @@ def model_decode(case, *, rounded_sums=False, lazy_rescale=LAZY_RESCALE):
                 f = (f * (F32(1) / (F32(1) + np.exp(sink[r % sink.shape[0]] - lse_nat)))).astype(F32)
             out[r, s] = bf16(o * f[:, None])
     return out
-
-
-def cos_diff(a, r):
-    a, r = a.astype(np.float64).ravel(), r.astype(np.float64).ravel()
-    denom = float(np.sum(a * a + r * r))
-    return 0.0 if denom == 0 else 1.0 - 2.0 * float(np.sum(a * r)) / denom
 
 
 def main(argv=None):

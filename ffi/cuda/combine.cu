@@ -23,7 +23,7 @@ __device__ __forceinline__ float max_keep_nan(float a, float b) { return (b > a 
 // columns, loading kInFlight pieces before adding any. Few rows (a small batch) take several
 // warps each and many pieces in flight, so that more SMs read the pieces; many rows (a large
 // batch: mostly one or two pieces a row) take one warp each with few registers, so that
-// more warps fit on an SM (combine_shape).
+// more warps fit on an SM (combine_impl picks the shape from the row count).
 template <int kWarpsPerRow, int kInFlight>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float* __restrict__ out_accum, const float* __restrict__ lse_accum,

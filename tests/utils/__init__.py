@@ -32,5 +32,6 @@ from tests.utils.tolerances import (
     OUT_RTOL,
     assert_lse_close,
     assert_out_close,
+    cosine_difference,
     out_of_tolerance,
 )

@@ -59,13 +59,19 @@ def _elementwise(actual, ref, atol, rtol, what):
     return a, r, np.isinf(a) | np.isinf(r)
 
 
+def cosine_difference(a, r) -> float:
+    """``1 - 2*sum(a*r)/sum(a^2+r^2)`` in float64 (0 for two all-zero arrays)."""
+    a, r = _as_f64(a).ravel(), _as_f64(r).ravel()
+    denom = float(np.sum(a * a + r * r))
+    return 0.0 if denom == 0.0 else 1.0 - 2.0 * float(np.sum(a * r)) / denom
+
+
 def assert_out_close(actual, ref):
     """Tolerance check of ``out``: elementwise tolerance plus the whole-tensor
     ``1 - 2*sum(a*r)/sum(a^2+r^2) < 5e-6`` (float64, over the finite elements)."""
     a, r, inf = _elementwise(actual, ref, OUT_ATOL, OUT_RTOL, "out")
     a, r = a[~inf], r[~inf]
-    denom = float(np.sum(a * a + r * r))
-    cos_diff = 0.0 if denom == 0.0 else 1.0 - 2.0 * float(np.sum(a * r)) / denom
+    cos_diff = cosine_difference(a, r)
     if not cos_diff < OUT_COS_DIFF:
         raise AssertionError(
             f"out: whole-tensor cosine difference {cos_diff:.3g} >= {OUT_COS_DIFF:g} "
