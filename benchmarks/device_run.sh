@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
-# Logs go to $OUT (the device tool brings them back); a short summary is printed last.
+# Logs go to $OUT (the device tool brings them back); each verdict is printed as it comes.
 #   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck harness variants" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 # Stage `anchor` is the yardstick against FlashMLA (kernel time of both on identical inputs):
 # it needs a copy of FlashMLA's measuring harness in .anchor/ (not part of the repository; git-ignored,
@@ -15,6 +15,9 @@ SHAPES=${SHAPES:-"v32_h128_s2_b128_k2048 v32_h128_s2_b1_k2048 v32_h64_s2_b128_k2
 ITERS=${ITERS:-10}
 PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_gpu.py"}
 summary=()
+# Each verdict is printed as it comes (a call cut by its time limit keeps what finished) and
+# again, all together, at the end.
+note() { summary+=("$1"); echo "NOTE: $1"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
@@ -31,9 +34,9 @@ python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tai
 if has build; then
   stamp build
   if build_tree "${CMAKE_ARGS:--DCMAKE_CUDA_FLAGS=}" "$OUT/build.log"; then
-    summary+=("build ok")
+    note "build ok"
   else
-    tail -40 "$OUT/build.log"; summary+=("build FAILED"); echo "${summary[@]}"; exit 1
+    tail -40 "$OUT/build.log"; note "build FAILED"; echo "${summary[@]}"; exit 1
   fi
   python3 -c 'import jax_sparse_mla as j; print(j.build_info())'
   lib=$(ls build/*/libjsm_cuda.a | head -1)
@@ -44,13 +47,13 @@ if has build; then
   # The full SASS stays on the device (/tmp/sass_full.txt; at most 8 files come back from
   # $OUT, and the same SASS can be had here from a local nvcc -cubin build).
   cuobjdump -sass "$lib" >/tmp/sass_full.txt 2>&1
-  grep -E "LDL|STL" "$OUT/sass.txt" && summary+=("SASS has local memory traffic")
+  grep -E "LDL|STL" "$OUT/sass.txt" && note "SASS has local memory traffic"
 fi
 
 if has smoke; then
   stamp smoke
   timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" | grep -vE "^\s*$" | tail -30
-  summary+=("$(smoke_line "$OUT/smoke.log")")
+  note "$(smoke_line "$OUT/smoke.log")"
 fi
 
 if has pytest; then  # PYTEST_RUNS times in a row, each with fresh random seeds
@@ -58,7 +61,7 @@ if has pytest; then  # PYTEST_RUNS times in a row, each with fresh random seeds
     stamp "pytest run $run"
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PYTEST_T:-270} python3 -m pytest $PYTEST_ARGS -q -n ${PYTEST_N:-8} \
       --timeout 240 -p no:cacheprovider -rfE --durations=12 2>&1 | tee "$OUT/pytest_$run.log" | tail -8
-    summary+=("pytest run $run: $(grep -E '(passed|failed|error)' "$OUT/pytest_$run.log" | tail -1)")
+    note "pytest run $run: $(grep -E '(passed|failed|error)' "$OUT/pytest_$run.log" | tail -1)"
   done
 fi
 
@@ -66,7 +69,7 @@ if has bench; then
   stamp bench
   timeout ${BENCH_T:-150} python3 benchmarks/bench_decode.py --shapes $SHAPES --iters "$ITERS" $BENCH_ARGS --json "$OUT/bench.json" \
     2>&1 | tee "$OUT/bench.log" | grep -E "^\|"
-  summary+=("bench: $(grep -c '^| ' "$OUT/bench.log") table lines")
+  note "bench: $(grep -c '^| ' "$OUT/bench.log") table lines"
 fi
 
 if has diag; then  # where the time goes: 1 = no gathers, 2 = no MMAs, 3 = neither, 4 = no producer stores (results wrong)
@@ -88,7 +91,7 @@ if has ktime; then  # device time of each kernel of a few steady-state calls (on
     python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
     --iters 3 >"$OUT/ktime.log" 2>&1
   grep -E "^  [a-z].*\(|gpu__time_duration" "$OUT/ktime.log" | paste - - | sed -E 's/ +/ /g' | cut -c1-160
-  summary+=("ktime: $(grep -c gpu__time_duration "$OUT/ktime.log") kernels timed")
+  note "ktime: $(grep -c gpu__time_duration "$OUT/ktime.log") kernels timed"
 fi
 
 if has anchor; then  # ours vs FlashMLA, kernel time per call from ncu, same inputs
@@ -96,9 +99,9 @@ if has anchor; then  # ours vs FlashMLA, kernel time per call from ncu, same inp
   if [[ -f .anchor/ktime.sh ]]; then
     python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1 || tail -20 "$OUT/fm_build.log"
     OUT="$OUT" KSHAPES="${KSHAPES:-v32_h128_s2_b128_k2048}" bash .anchor/ktime.sh 2>&1 | grep -E "KTIME|median"
-    summary+=("$(grep KTIME "$OUT/ktime.txt" 2>/dev/null)")
+    note "$(grep KTIME "$OUT/ktime.txt" 2>/dev/null)"
   else
-    summary+=("anchor: no .anchor/ (copy FlashMLA's harness there and carry it)")
+    note "anchor: no .anchor/ (copy FlashMLA's harness there and carry it)"
   fi
 fi
 
@@ -106,7 +109,7 @@ if has trace; then  # bench wall time vs kernel time: one repetition under jax.p
   stamp trace
   timeout ${TRACE_T:-150} python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} \
     --no-xla --no-reference --iters 5 --trace /tmp/jsm_trace 2>&1 | tee "$OUT/trace.log" | grep -A8 "trace:"
-  summary+=("trace: $(grep -c 'trace:' "$OUT/trace.log") summaries")
+  note "trace: $(grep -c 'trace:' "$OUT/trace.log") summaries"
 fi
 
 if has ncu; then  # hardware counters and per-instruction counts/stalls of one decode launch
@@ -123,7 +126,7 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
   # The report itself stays on the device (no ncu here to open it); its pages come back.
   ncu -i /tmp/prof.ncu-rep --page details >"$OUT/ncu_details.txt" 2>&1
   ncu -i /tmp/prof.ncu-rep --page source --print-source sass --csv >"$OUT/ncu_source.csv" 2>&1
-  summary+=("ncu: $(wc -l <"$OUT/ncu_details.txt") detail lines, $(wc -l <"$OUT/ncu_source.csv") source lines")
+  note "ncu: $(wc -l <"$OUT/ncu_details.txt") detail lines, $(wc -l <"$OUT/ncu_source.csv") source lines"
   # Which unit of L1/TEX and of the whole memory system is the busiest, and the L1 tables
   # (wavefronts by kind): a second launch, so that a metric the tool rejects costs only this.
   timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel -c 1 \
@@ -131,7 +134,7 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
     --section MemoryWorkloadAnalysis_Tables \
     python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
     --iters 1 >"$OUT/ncu_breakdown.txt" 2>&1
-  summary+=("ncu breakdown: $(grep -c '%' "$OUT/ncu_breakdown.txt") lines with %")
+  note "ncu breakdown: $(grep -c '%' "$OUT/ncu_breakdown.txt") lines with %"
   if [[ ${NCU_FM:-0} == 1 && -f .anchor/side_by_side.py ]]; then
     # FlashMLA's decode kernel on the same inputs, same sections (its launches: no JAX warm-up,
     # so the same skip is a steady-state launch too). Two more files: keep STAGES to "build ncu".
@@ -143,7 +146,7 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
       python3 .anchor/side_by_side.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} >/dev/null 2>&1
     ncu -i /tmp/prof_fm.ncu-rep --page details >"$OUT/ncu_fm_details.txt" 2>&1
     ncu -i /tmp/prof_fm.ncu-rep --page source --print-source sass --csv >"$OUT/ncu_fm_source.csv" 2>&1
-    summary+=("ncu FlashMLA: $(wc -l <"$OUT/ncu_fm_details.txt") detail lines")
+    note "ncu FlashMLA: $(wc -l <"$OUT/ncu_fm_details.txt") detail lines"
   fi
 fi
 
@@ -154,7 +157,7 @@ if has sanitize; then
     compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/gpu_smoke.py --sanitize \
     >"$OUT/sanitize.log" 2>&1
   tail -8 "$OUT/sanitize.log"
-  summary+=("memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1) / $(grep SMOKE "$OUT/sanitize.log")")
+  note "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1) / $(grep SMOKE "$OUT/sanitize.log")"
 fi
 
 if has racecheck; then  # shared-memory races and barrier misuse, in the JAX process
@@ -164,7 +167,7 @@ if has racecheck; then  # shared-memory races and barrier misuse, in the JAX pro
       XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout ${SAN_T:-150} \
       compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/gpu_smoke.py --sanitize \
       >"$OUT/$tool.log" 2>&1
-    summary+=("$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)")
+    note "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
   done
 fi
 
@@ -177,7 +180,7 @@ if has harness; then  # the sanitizers on the decode kernel alone (sanitizer_rep
     nvcc -gencode=arch=compute_90a,code=sm_90a -o /tmp/$repro benchmarks/sanitizer_repro/$repro.cu || continue
     for tool in racecheck synccheck; do
       compute-sanitizer --tool $tool /tmp/$repro >"$OUT/${repro}_$tool.log" 2>&1
-      summary+=("$repro $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|handoff' "$OUT/${repro}_$tool.log" | tr '\n' ' ')")
+      note "$repro $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|handoff' "$OUT/${repro}_$tool.log" | tr '\n' ' ')"
     done
   done
   inc=$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")
@@ -185,10 +188,10 @@ if has harness; then  # the sanitizers on the decode kernel alone (sanitizer_rep
       -o /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu ffi/cuda/decode_launch.cu >"$OUT/harness_build.log" 2>&1; then
     for tool in memcheck racecheck synccheck; do
       timeout ${HARNESS_T:-120} compute-sanitizer --tool $tool --print-limit 20 /tmp/decode_harness >"$OUT/harness_$tool.log" 2>&1
-      summary+=("harness $tool (rc $?): $(grep -E 'HARNESS|ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/harness_$tool.log" | tr '\n' ' ')")
+      note "harness $tool (rc $?): $(grep -E 'HARNESS|ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/harness_$tool.log" | tr '\n' ' ')"
     done
   else
-    tail -20 "$OUT/harness_build.log"; summary+=("harness: build FAILED")
+    tail -20 "$OUT/harness_build.log"; note "harness: build FAILED"
   fi
 fi
 
@@ -208,7 +211,7 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
     done
     if [[ ${#applied[@]} != $(patches_of "$v" | wc -l) ]]; then
       for patch in "${applied[@]}"; do git apply -R "$patch"; done
-      summary+=("$v: does not apply"); continue
+      note "$v: does not apply"; continue
     fi
     # Rebuild what this variant and the last one (reverted) changed: a patch of .cu files only
     # (the combine's) recompiles those alone; one that touches a header, everything (the
@@ -219,7 +222,7 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
     if build_tree "-DCMAKE_CUDA_FLAGS=" "$OUT/build_$vf.log"; then
       timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py >"$OUT/smoke_$vf.log" 2>&1
       line=$(smoke_line "$OUT/smoke_$vf.log")
-      summary+=("$v: $line")
+      note "$v: $line"
       if smoke_passed "$line" && [[ ${VARIANT_TIMER:-ktime} == ours && -f .anchor/side_by_side.py ]]; then
         # Our kernels alone under ncu (FlashMLA's time does not change from variant to variant:
         # take it once, from a `base` variant or the anchor stage, and save its launches here).
@@ -238,15 +241,15 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
 import side_by_side as s; from jax_sparse_mla import bench; shape = bench.PRESETS['$sh']
 s.time_ours(shape, bench.make_inputs(shape, max(bench._sets_for(shape), bench.CALLS_PER_TIMING)), 3)" \
               >"$log" 2>&1 || tail -5 "$log"
-            summary+=("$tag: $(python3 benchmarks/kernel_times.py "$log" "$sh")")
+            note "$tag: $(python3 benchmarks/kernel_times.py "$log" "$sh")"
           done
         done
       elif smoke_passed "$line" && [[ -f .anchor/ktime.sh ]]; then
         OUT="$OUT/$vf" KSHAPES="${KSHAPES:-v32_h16_s2_b128_k2048}" bash .anchor/ktime.sh >/dev/null 2>&1
-        while read -r k; do summary+=("$v: $k"); done < <(grep KTIME "$OUT/$vf/ktime.txt" 2>/dev/null)
+        while read -r k; do note "$v: $k"; done < <(grep KTIME "$OUT/$vf/ktime.txt" 2>/dev/null)
       fi
     else
-      summary+=("$v: build FAILED (build_$vf.log)")
+      note "$v: build FAILED (build_$vf.log)"
     fi
     for patch in "${applied[@]}"; do git apply -R "$patch"; done  # newest first
   done
