@@ -59,8 +59,33 @@ __global__ void __launch_bounds__(kCombineThreads)
 
   auto lse_of = [&](int k) { return lse_accum[(static_cast<int64_t>(first + k) * s_q + s) * h_q + h]; };
 
-  float mx = -INFINITY;
-  for (int k = lane; k < pieces; k += 32) mx = max_keep_nan(mx, lse_of(k));
+  // Lane handles columns col0 + 4*lane + 128*i (i < kVecs): coalesced float4 reads. The
+  // pieces' weights are computed by one lane each, 32 at a time, and kInFlight pieces are
+  // loaded before any is added (a loop that adds each piece as it arrives waits out one
+  // memory latency per piece: with one block a piece, that was most of a small batch's
+  // combine). The first kInFlight pieces' loads go out before the lse reductions, which they
+  // do not need, and lane k keeps piece k's lse for the reductions and the first round's
+  // weights: a row's chain of dependent loads is the plan, then its pieces' lse and data
+  // together. The sum runs in piece order, as one piece at a time would.
+  static_assert(32 % kInFlight == 0, "a batch of loads never spans two rounds of weights");
+  const int64_t piece_stride = static_cast<int64_t>(s_q) * h_q * kDimV;
+  const float4* src0 = reinterpret_cast<const float4*>(
+      out_accum + ((static_cast<int64_t>(first) * s_q + s) * h_q + h) * kDimV + col0);
+  float4 v[kInFlight][kVecs];
+  auto load_batch = [&](int k0) {
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (k0 + u < pieces) {
+        const float4* src = src0 + (k0 + u) * (piece_stride / 4);
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) v[u][i] = src[lane + 32 * i];
+      }
+  };
+  load_batch(0);
+  const float lse_first = lane < pieces ? lse_of(lane) : -INFINITY;
+
+  float mx = max_keep_nan(-INFINITY, lse_first);
+  for (int k = lane + 32; k < pieces; k += 32) mx = max_keep_nan(mx, lse_of(k));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = max_keep_nan(mx, __shfl_xor_sync(0xffffffffu, mx, o));
 
@@ -69,47 +94,34 @@ __global__ void __launch_bounds__(kCombineThreads)
     if (writes_lse) lse[lse_off] = INFINITY;
     return;
   }
-  float sum = 0.f;
-  for (int k = lane; k < pieces; k += 32) sum += exp2f(lse_of(k) - mx);
+  float sum = lane < pieces ? exp2f(lse_first - mx) : 0.f;
+  for (int k = lane + 32; k < pieces; k += 32) sum += exp2f(lse_of(k) - mx);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const float g = log2f(sum) + mx;
 
-  // Lane handles columns col0 + 4*lane + 128*i (i < kVecs): coalesced float4 reads. The
-  // pieces' weights are computed by one lane each, 32 at a time, and kInFlight pieces are
-  // loaded before any is added (a loop that adds each piece as it arrives waits out one
-  // memory latency per piece: with one block a piece, that was most of a small batch's
-  // combine). The sum runs in piece order, as one piece at a time would.
-  const int64_t piece_stride = static_cast<int64_t>(s_q) * h_q * kDimV;
-  const float4* src0 = reinterpret_cast<const float4*>(
-      out_accum + ((static_cast<int64_t>(first) * s_q + s) * h_q + h) * kDimV + col0);
   float acc[4 * kVecs];
 #pragma unroll
   for (int i = 0; i < 4 * kVecs; ++i) acc[i] = 0.f;
-  for (int k32 = 0; k32 < pieces; k32 += 32) {
-    const int n = min(32, pieces - k32);  // pieces of this round, warp-uniform
-    const float w_lane = lane < n ? exp2f(lse_of(k32 + lane) - g) : 0.f;
-    for (int k0 = 0; k0 < n; k0 += kInFlight) {
-      float4 v[kInFlight][kVecs];
+  float w_lane = 0.f;
+  for (int k0 = 0; k0 < pieces; k0 += kInFlight) {
+    if (k0 % 32 == 0) {  // a round of 32 weights starts (warp-uniform)
+      const bool mine = lane < pieces - k0;
+      const float l = k0 == 0 ? lse_first : (mine ? lse_of(k0 + lane) : 0.f);
+      w_lane = mine ? exp2f(l - g) : 0.f;
+    }
+    if (k0 > 0) load_batch(k0);  // batch 0 went out before the reductions
 #pragma unroll
-      for (int u = 0; u < kInFlight; ++u)
-        if (k0 + u < n) {
-          const float4* src = src0 + (k32 + k0 + u) * (piece_stride / 4);
+    for (int u = 0; u < kInFlight; ++u) {
+      const float wk = __shfl_sync(0xffffffffu, w_lane, (k0 + u) & 31);
+      if (k0 + u < pieces)
 #pragma unroll
-          for (int i = 0; i < kVecs; ++i) v[u][i] = src[lane + 32 * i];
+        for (int i = 0; i < kVecs; ++i) {
+          acc[4 * i + 0] += wk * v[u][i].x;
+          acc[4 * i + 1] += wk * v[u][i].y;
+          acc[4 * i + 2] += wk * v[u][i].z;
+          acc[4 * i + 3] += wk * v[u][i].w;
         }
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {
-        const float wk = __shfl_sync(0xffffffffu, w_lane, (k0 + u) & 31);
-        if (k0 + u < n)
-#pragma unroll
-          for (int i = 0; i < kVecs; ++i) {
-            acc[4 * i + 0] += wk * v[u][i].x;
-            acc[4 * i + 1] += wk * v[u][i].y;
-            acc[4 * i + 2] += wk * v[u][i].z;
-            acc[4 * i + 3] += wk * v[u][i].w;
-          }
-      }
     }
   }
   const float lse_nat = g * 0.69314718055994531f;
@@ -128,9 +140,9 @@ __global__ void __launch_bounds__(kCombineThreads)
 }
 
 // Few rows: up to 4 warps a row, as many as keep the grid within one wave (these variants
-// use 168-227 registers a thread: 8 resident warps an SM; a grid beyond one wave pays for
-// its extra warps in whole waves). Many rows: one warp a row, two pieces in flight (91
-// registers: 20 resident warps an SM, which a large batch's one- and two-piece rows need
+// use 168 registers a thread: 8 resident warps an SM; a grid beyond one wave pays for
+// its extra warps in whole waves). Many rows: one warp a row, two pieces in flight (80
+// registers: 24 resident warps an SM, which a large batch's one- and two-piece rows need
 // more than deep prefetch).
 template <int kWarpsPerRow, int kInFlight>
 void launch_combine(const CombineProblem& p, int64_t rows, cudaStream_t stream) {
