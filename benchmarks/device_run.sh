@@ -15,8 +15,8 @@ SHAPES=${SHAPES:-"v32_h128_s2_b128_k2048 v32_h128_s2_b1_k2048 v32_h64_s2_b128_k2
 ITERS=${ITERS:-10}
 PYTEST_ARGS=${PYTEST_ARGS:-"tests/test_gpu.py"}
 summary=()
-# Each verdict is printed as it comes (a call cut by its time limit keeps what finished) and
-# again, all together, at the end.
+# Each verdict is printed as it comes (a call cut by its time limit keeps what finished) and,
+# after a run that gets there, all together at the end.
 note() { summary+=("$1"); echo "NOTE: $1"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 t0=$(date +%s)
@@ -36,7 +36,7 @@ if has build; then
   if build_tree "${CMAKE_ARGS:--DCMAKE_CUDA_FLAGS=}" "$OUT/build.log"; then
     note "build ok"
   else
-    tail -40 "$OUT/build.log"; note "build FAILED"; echo "${summary[@]}"; exit 1
+    tail -40 "$OUT/build.log"; note "build FAILED"; exit 1
   fi
   python3 -c 'import jax_sparse_mla as j; print(j.build_info())'
   lib=$(ls build/*/libjsm_cuda.a | head -1)
@@ -117,15 +117,20 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
   # (--set full crashes the JAX process at start-up; these sections work)
   # NCU_SKIP: decode launches to skip first (the first is cold: b = 1 h128 took 19.0 us there
   # against 15.4 in steady state); the bench makes 8+ launches per iteration.
-  timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel --launch-skip ${NCU_SKIP:-0} -c 1 --import-source yes \
-    --section SpeedOfLight --section WarpStateStats --section InstructionStats --section LaunchStats \
-    --section Occupancy --section SchedulerStats --section ComputeWorkloadAnalysis \
-    --section MemoryWorkloadAnalysis --section SourceCounters -o /tmp/prof -f \
+  # The sections and the pages that come back, the same for FlashMLA's kernel (NCU_FM below).
+  ncu_one=(ncu --clock-control none --launch-skip ${NCU_SKIP:-0} -c 1 --import-source yes
+    --section SpeedOfLight --section WarpStateStats --section InstructionStats --section LaunchStats
+    --section Occupancy --section SchedulerStats --section ComputeWorkloadAnalysis
+    --section MemoryWorkloadAnalysis --section SourceCounters -f)
+  # The report itself stays on the device (no ncu here to open it); its pages come back.
+  ncu_pages() {  # report, file prefix in $OUT
+    ncu -i "$1" --page details >"$OUT/$2_details.txt" 2>&1
+    ncu -i "$1" --page source --print-source sass --csv >"$OUT/$2_source.csv" 2>&1
+  }
+  timeout ${NCU_T:-240} "${ncu_one[@]}" -k regex:decode_kernel -o /tmp/prof \
     python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
     --iters $(( NCU_SKIP > 0 ? 3 : 1 )) >"$OUT/ncu.log" 2>&1
-  # The report itself stays on the device (no ncu here to open it); its pages come back.
-  ncu -i /tmp/prof.ncu-rep --page details >"$OUT/ncu_details.txt" 2>&1
-  ncu -i /tmp/prof.ncu-rep --page source --print-source sass --csv >"$OUT/ncu_source.csv" 2>&1
+  ncu_pages /tmp/prof.ncu-rep ncu
   note "ncu: $(wc -l <"$OUT/ncu_details.txt") detail lines, $(wc -l <"$OUT/ncu_source.csv") source lines"
   # Which unit of L1/TEX and of the whole memory system is the busiest, and the L1 tables
   # (wavefronts by kind): a second launch, so that a metric the tool rejects costs only this.
@@ -139,13 +144,9 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
     # FlashMLA's decode kernel on the same inputs, same sections (its launches: no JAX warm-up,
     # so the same skip is a steady-state launch too). Two more files: keep STAGES to "build ncu".
     python3 .anchor/build_fm.py >/dev/null 2>&1
-    timeout ${NCU_T:-240} ncu --clock-control none -k regex:flash_fwd_splitkv --launch-skip ${NCU_SKIP:-0} -c 1 \
-      --import-source yes --section SpeedOfLight --section WarpStateStats --section InstructionStats \
-      --section LaunchStats --section Occupancy --section SchedulerStats --section ComputeWorkloadAnalysis \
-      --section MemoryWorkloadAnalysis --section SourceCounters -o /tmp/prof_fm -f \
+    timeout ${NCU_T:-240} "${ncu_one[@]}" -k regex:flash_fwd_splitkv -o /tmp/prof_fm \
       python3 .anchor/side_by_side.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} >/dev/null 2>&1
-    ncu -i /tmp/prof_fm.ncu-rep --page details >"$OUT/ncu_fm_details.txt" 2>&1
-    ncu -i /tmp/prof_fm.ncu-rep --page source --print-source sass --csv >"$OUT/ncu_fm_source.csv" 2>&1
+    ncu_pages /tmp/prof_fm.ncu-rep ncu_fm
     note "ncu FlashMLA: $(wc -l <"$OUT/ncu_fm_details.txt") detail lines"
   fi
 fi

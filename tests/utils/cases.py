@@ -176,7 +176,7 @@ def stale_lengths_case(rng, fmt, h_q):
     so the last worker's end is certainly stale) and MODEL1's extra lengths (else None). The case
     itself has no lengths."""
     b, topk = 5, 320
-    model1 = fmt.d_qk == 512
+    model1 = fmt_name(fmt) == "MODEL1"
     case = soften(make_case(rng, fmt, b=b, s_q=2, h_q=h_q, topk=topk, page_size=64, num_blocks=40,
                             extra_topk=100 if model1 else 0, extra_page_size=64, extra_num_blocks=8,
                             with_sink=True))
