@@ -228,7 +228,8 @@ def test_combine_more_pieces_than_a_warp(h_q):
 @pytest.mark.parametrize("warps_per_row", [4, 2, 1])
 def test_combine_shape_follows_the_row_count(warps_per_row):
     """The combine kernel's shape follows the row count (ffi/cuda/combine.cu): up to 2 x SMs
-    rows take four warps a row (32 pieces in flight), up to 4 x SMs two (16), more one (2).
+    rows take four warps a row (32 pieces in flight), up to 4 x SMs two (16), more one (2,
+    warps walking the rows: test_combine_walk_reaches_every_row).
     A batch at the top of each regime (the last at its bottom), 35 pieces a request: a round of
     32 weights and a remainder of 3 that is not a multiple of the pieces in flight."""
     sms = _sm_count()
@@ -238,6 +239,22 @@ def test_combine_shape_follows_the_row_count(warps_per_row):
                      with_sink=True)
     plan = _plan(_on(case, GPU), num_parts=2 * pieces * b)  # one block a worker: the fixed cost per request
     assert np.diff(np.asarray(plan.num_splits)).min() == pieces, f"expected every request cut into {pieces} pieces"
+    _check(case, plan=plan)
+
+
+def test_combine_walk_reaches_every_row():
+    """Beyond 4 x SMs rows the combine's warps walk the rows: a grid of the blocks an SM holds
+    at once, warp w taking rows w, w + W, ... and reading the plan of 32 of them at a time.
+    128 heads x 2 query rows x 512 requests = 131072 rows, more than 32 rows for every warp
+    an H200 holds (5 blocks of 4 warps an SM), so warps go round twice. Random lengths and two
+    workers a request cut some requests in two and leave others whole, mixing one-piece rows
+    (written by the decode kernel, skipped here) and two-piece rows in every round."""
+    b = 512
+    case = make_case(fresh_rng(), V32, b=b, s_q=2, h_q=128, topk=512, page_size=64, num_blocks=80, with_sink=True,
+                     with_lengths=True)
+    plan = _plan(_on(case, GPU), num_parts=2 * b)
+    pieces = np.diff(np.asarray(plan.num_splits))
+    assert (pieces == 1).any() and (pieces > 1).any(), f"expected one- and two-piece requests, got {np.unique(pieces)}"
     _check(case, plan=plan)
 
 

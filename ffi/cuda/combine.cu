@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -19,39 +20,43 @@ constexpr int kCombineThreads = 128;
 // max that keeps NaN (fmaxf drops it): a NaN piece must not make a row look empty.
 __device__ __forceinline__ float max_keep_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 
-// kWarpsPerRow warps share one (request, query row, head): each adds up 512 / kWarpsPerRow
-// columns, loading kInFlight pieces before adding any. Few rows (a small batch) take several
-// warps each and many pieces in flight, so that more SMs read the pieces; many rows (a large
-// batch: mostly one or two pieces a row) take one warp each with few registers, so that
-// more warps fit on an SM (combine_impl picks the shape from the row count).
+// What every row's merge reads and writes: the kernels' parameters (a CombineProblem less
+// what only the host uses; num_slots = batch + num_parts, the partial buffers' pieces).
+struct CombineArgs {
+  const float* out_accum;
+  const float* lse_accum;
+  const int32_t* num_splits;
+  const float* attn_sink;
+  int64_t sink_stride;
+  int batch, s_q, h_q;
+  int64_t num_slots;
+  bool has_sink;
+  uint16_t* out;
+  float* lse;
+};
+
+// One (request r, query row s, head h) row's merge, columns col0 .. col0 + kColumns - 1 by
+// this warp: kWarpsPerRow warps share a row, each adding up 512 / kWarpsPerRow columns and
+// loading kInFlight pieces before adding any. The row has pieces first .. first + pieces - 1
+// (pieces != 1: a one-piece row was written by the decode kernel).
 template <int kWarpsPerRow, int kInFlight>
-__global__ void __launch_bounds__(kCombineThreads)
-    combine_kernel(const float* __restrict__ out_accum, const float* __restrict__ lse_accum,
-                   const int32_t* __restrict__ num_splits, const float* __restrict__ attn_sink,
-                   int64_t sink_stride, int batch, int s_q, int h_q, int64_t num_slots, bool has_sink,
-                   uint16_t* __restrict__ out,
-                   float* __restrict__ lse) {
+__device__ __forceinline__ void combine_row(const CombineArgs& cp, int r, int s, int h, int first, int pieces,
+                                            int lane, int col0) {
   constexpr int kColumns = kDimV / kWarpsPerRow;  // this warp's columns of the row
   constexpr int kVecs = kColumns / 128;           // float4s a lane reads per piece
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kCombineThreads / 32) + (threadIdx.x >> 5);
-  const int64_t item = warp / kWarpsPerRow;
-  const int col0 = static_cast<int>(warp % kWarpsPerRow) * kColumns;
+  const int s_q = cp.s_q, h_q = cp.h_q;
+  const float* __restrict__ lse_accum = cp.lse_accum;
+  uint16_t* __restrict__ out = cp.out;
+  float* __restrict__ lse = cp.lse;
+  const bool has_sink = cp.has_sink;
+  const float* __restrict__ attn_sink = cp.attn_sink;
+  const int64_t sink_stride = cp.sink_stride;
   const bool writes_lse = lane == 0 && col0 == 0;
-  const int64_t per_req = static_cast<int64_t>(s_q) * h_q;
-  if (item >= per_req * batch) return;
-  const int r = static_cast<int>(item / per_req);
-  const int rem = static_cast<int>(item - static_cast<int64_t>(r) * per_req);
-  const int s = rem / h_q;
-  const int h = rem - s * h_q;
-  const int first = num_splits[r];
-  const int pieces = num_splits[r + 1] - first;
-  if (pieces == 1) return;  // written directly by the decode kernel
   const int64_t out_off = ((static_cast<int64_t>(r) * s_q + s) * h_q + h) * kDimV + col0;
   const int64_t lse_off = (static_cast<int64_t>(r) * h_q + h) * s_q + s;
   // A plan whose pieces fall outside the partial buffers (a hand-made one): NaN, and
   // nothing read out of bounds.
-  if (pieces < 1 || first < 0 || static_cast<int64_t>(first) + pieces > num_slots) {
+  if (pieces < 1 || first < 0 || static_cast<int64_t>(first) + pieces > cp.num_slots) {
     for (int c = lane; c < kColumns / 2; c += 32) reinterpret_cast<uint32_t*>(out + out_off)[c] = 0x7fc07fc0u;
     if (writes_lse) lse[lse_off] = NAN;
     return;
@@ -70,7 +75,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   static_assert(32 % kInFlight == 0, "a batch of loads never spans two rounds of weights");
   const int64_t piece_stride = static_cast<int64_t>(s_q) * h_q * kDimV;
   const float4* src0 = reinterpret_cast<const float4*>(
-      out_accum + ((static_cast<int64_t>(first) * s_q + s) * h_q + h) * kDimV + col0);
+      cp.out_accum + ((static_cast<int64_t>(first) * s_q + s) * h_q + h) * kDimV + col0);
   float4 v[kInFlight][kVecs];
   auto load_batch = [&](int k0) {
 #pragma unroll
@@ -139,18 +144,90 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (writes_lse) lse[lse_off] = lse_nat;
 }
 
+// (request, query row, head) of row `item`.
+struct RowIndex {
+  int r, s, h;
+};
+__device__ __forceinline__ RowIndex row_index(const CombineArgs& cp, int64_t item) {
+  const int64_t per_req = static_cast<int64_t>(cp.s_q) * cp.h_q;
+  RowIndex x;
+  x.r = static_cast<int>(item / per_req);
+  const int rem = static_cast<int>(item - static_cast<int64_t>(x.r) * per_req);
+  x.s = rem / cp.h_q;
+  x.h = rem - x.s * cp.h_q;
+  return x;
+}
+
+// Few rows (a small batch): kWarpsPerRow warps to a row, one row each, many pieces in
+// flight, so that more SMs read the pieces.
+template <int kWarpsPerRow, int kInFlight>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineArgs cp) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kCombineThreads / 32) + (threadIdx.x >> 5);
+  const int64_t item = warp / kWarpsPerRow;
+  if (item >= static_cast<int64_t>(cp.s_q) * cp.h_q * cp.batch) return;
+  const RowIndex x = row_index(cp, item);
+  const int first = cp.num_splits[x.r];
+  const int pieces = cp.num_splits[x.r + 1] - first;
+  if (pieces == 1) return;  // written directly by the decode kernel
+  combine_row<kWarpsPerRow, kInFlight>(cp, x.r, x.s, x.h, first, pieces, lane,
+                                       static_cast<int>(warp % kWarpsPerRow) * (kDimV / kWarpsPerRow));
+}
+
+// Many rows (a large batch: most rows have one piece, written by the decode kernel): a
+// resident grid whose warps walk the rows (warp w: rows w, w + W, ..., W warps in all), one
+// warp a row, two pieces in flight. A warp reads the plan of its next 32 rows at once (lane
+// k: row k's), so a one-piece row costs a shuffle instead of a warp's launch and a load.
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel_rows(const CombineArgs cp) {
+  constexpr int kInFlight = 2;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kCombineThreads / 32);
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kCombineThreads / 32) + (threadIdx.x >> 5);
+  const int64_t rows = static_cast<int64_t>(cp.s_q) * cp.h_q * cp.batch;
+  for (int64_t base = warp; base < rows; base += 32 * warps) {
+    const int64_t mine = base + lane * warps;  // this lane's row of the round
+    int first = 0, pieces = 1;
+    if (mine < rows) {
+      const int r = row_index(cp, mine).r;
+      first = cp.num_splits[r];
+      pieces = cp.num_splits[r + 1] - first;
+    }
+    for (int k = 0; k < 32; ++k) {
+      const int64_t item = base + k * warps;
+      if (item >= rows) break;  // (warp-uniform, as the shuffles below)
+      const int first_k = __shfl_sync(0xffffffffu, first, k);
+      const int pieces_k = __shfl_sync(0xffffffffu, pieces, k);
+      if (pieces_k == 1) continue;  // written directly by the decode kernel
+      const RowIndex x = row_index(cp, item);
+      combine_row<1, kInFlight>(cp, x.r, x.s, x.h, first_k, pieces_k, lane, 0);
+    }
+  }
+}
+
 // Few rows: up to 4 warps a row, as many as keep the grid within one wave (these variants
 // use 168 registers a thread: 8 resident warps an SM; a grid beyond one wave pays for
-// its extra warps in whole waves). Many rows: one warp a row, two pieces in flight (80
-// registers: 24 resident warps an SM, which a large batch's one- and two-piece rows need
-// more than deep prefetch).
+// its extra warps in whole waves).
 template <int kWarpsPerRow, int kInFlight>
-void launch_combine(const CombineProblem& p, int64_t rows, cudaStream_t stream) {
+void launch_combine(const CombineArgs& p, int64_t rows, cudaStream_t stream) {
   constexpr int64_t kWarpsPerBlock = kCombineThreads / 32;
   const int64_t blocks = (rows * kWarpsPerRow + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  combine_kernel<kWarpsPerRow, kInFlight><<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(
-      p.out_accum, p.lse_accum, p.num_splits, p.attn_sink, p.sink_stride, p.batch, p.s_q, p.h_q,
-      static_cast<int64_t>(p.batch) + p.num_parts, p.has_sink, p.out, p.lse);
+  combine_kernel<kWarpsPerRow, kInFlight><<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(p);
+}
+
+// Many rows: as many blocks as are resident at once (looked up once per device), at most
+// one warp a row.
+ffi::Error launch_combine_rows(const CombineArgs& p, int64_t rows, int sms, cudaStream_t stream) {
+  static int resident_blocks = 0;  // per SM; the same on every device of a process (benign race)
+  if (resident_blocks == 0) {
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident_blocks, combine_kernel_rows,
+                                                                  kCombineThreads, 0);
+    if (e != cudaSuccess) return cuda_failure("cudaOccupancyMaxActiveBlocksPerMultiprocessor(combine)", e);
+  }
+  constexpr int64_t kWarpsPerBlock = kCombineThreads / 32;
+  const int64_t blocks = std::min<int64_t>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock,
+                                           static_cast<int64_t>(std::max(resident_blocks, 1)) * sms);
+  combine_kernel_rows<<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(p);
+  return ffi::Error::Success();
 }
 
 ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer out_in, ffi::Buffer<ffi::F32> lse_in,
@@ -171,16 +248,19 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer out_in, ffi::Buffer<
   }
   if (rows == 0) return ffi::Error::Success();
   if (rows > 0x7fffffffLL) return invalid("combine: problem too large");
+  const CombineArgs args{p.out_accum, p.lse_accum,  p.num_splits, p.attn_sink, p.sink_stride, p.batch,
+                         p.s_q,       p.h_q,        static_cast<int64_t>(p.batch) + p.num_parts,
+                         p.has_sink,  p.out,        p.lse};
   int sms = 0;
   JSM_RETURN_IF_ERROR(current_sm_count(&sms));
   constexpr int64_t kResidentWarpsPerSm = 8;  // of the few-rows variants
   const int64_t one_wave = kResidentWarpsPerSm * sms;
   if (rows * 4 <= one_wave) {
-    launch_combine<4, 32>(p, rows, stream);
+    launch_combine<4, 32>(args, rows, stream);
   } else if (rows * 2 <= one_wave) {
-    launch_combine<2, 16>(p, rows, stream);
+    launch_combine<2, 16>(args, rows, stream);
   } else {
-    launch_combine<1, 2>(p, rows, stream);
+    JSM_RETURN_IF_ERROR(launch_combine_rows(args, rows, sms, stream));
   }
   return check_launch("combine_kernel");
 }
