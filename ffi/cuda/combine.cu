@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -214,18 +215,21 @@ void launch_combine(const CombineArgs& p, int64_t rows, cudaStream_t stream) {
   combine_kernel<kWarpsPerRow, kInFlight><<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(p);
 }
 
-// Many rows: as many blocks as are resident at once (looked up once per device), at most
+// Many rows: as many blocks as are resident at once, at most
 // one warp a row.
 ffi::Error launch_combine_rows(const CombineArgs& p, int64_t rows, int sms, cudaStream_t stream) {
-  static int resident_blocks = 0;  // per SM; the same on every device of a process (benign race)
-  if (resident_blocks == 0) {
-    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident_blocks, combine_kernel_rows,
-                                                                  kCombineThreads, 0);
+  // Per SM, looked up once: the same on every device of a process (one kernel, one
+  // architecture), so concurrent first calls may both look it up and store the same value.
+  static std::atomic<int> resident_blocks{0};
+  int per_sm = resident_blocks.load(std::memory_order_relaxed);
+  if (per_sm == 0) {
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, combine_kernel_rows, kCombineThreads, 0);
     if (e != cudaSuccess) return cuda_failure("cudaOccupancyMaxActiveBlocksPerMultiprocessor(combine)", e);
+    resident_blocks.store(per_sm, std::memory_order_relaxed);
   }
   constexpr int64_t kWarpsPerBlock = kCombineThreads / 32;
   const int64_t blocks = std::min<int64_t>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock,
-                                           static_cast<int64_t>(std::max(resident_blocks, 1)) * sms);
+                                           static_cast<int64_t>(std::max(per_sm, 1)) * sms);
   combine_kernel_rows<<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(p);
   return ffi::Error::Success();
 }
