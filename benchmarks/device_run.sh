@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
 # Logs go to $OUT (the device tool brings them back); each verdict is printed as it comes.
-#   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck harness variants" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+#   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck harness timeline variants" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 # Stage `anchor` is the yardstick against FlashMLA (kernel time of both on identical inputs):
 # it needs a copy of FlashMLA's measuring harness in .anchor/ (not part of the repository; git-ignored,
 # carried to the device) and runs .anchor/ktime.sh on $KSHAPES (docs/performance.md).
@@ -24,6 +24,13 @@ stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 # Builds and installs the tree with CMAKE_ARGS $1, the log in $2 (CMAKE_CUDA_FLAGS is cached
 # in the build tree, so every call states it).
 build_tree() { CMAKE_ARGS="$1" python3 -m pip install --no-build-isolation --no-deps -e . >"$2" 2>&1; }
+# Compiles a standalone CUDA program (the decode kernel without JAX) into $1 from the nvcc
+# arguments after it (sources, -D flags).
+build_tool() {
+  local out=$1; shift
+  nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+    -I"$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")" -Iffi -o "$out" "$@"
+}
 # The smoke table's verdict in log $1, and whether a verdict line says every case passed.
 smoke_line() { grep SMOKE "$1" || echo "SMOKE crashed"; }
 smoke_passed() { [[ "$1" =~ SMOKE\ ([0-9]+)/([0-9]+) ]] && [[ ${BASH_REMATCH[1]} == ${BASH_REMATCH[2]} ]]; }
@@ -184,15 +191,25 @@ if has harness; then  # the sanitizers on the decode kernel alone (sanitizer_rep
       note "$repro $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|handoff' "$OUT/${repro}_$tool.log" | tr '\n' ' ')"
     done
   done
-  inc=$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")
-  if nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I"$inc" -Iffi \
-      -o /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu ffi/cuda/decode_launch.cu >"$OUT/harness_build.log" 2>&1; then
+  if build_tool /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu ffi/cuda/decode_launch.cu \
+      >"$OUT/harness_build.log" 2>&1; then
     for tool in memcheck racecheck synccheck; do
       timeout ${HARNESS_T:-120} compute-sanitizer --tool $tool --print-limit 20 /tmp/decode_harness >"$OUT/harness_$tool.log" 2>&1
       note "harness $tool (rc $?): $(grep -E 'HARNESS|ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/harness_$tool.log" | tr '\n' ' ')"
     done
   else
     tail -20 "$OUT/harness_build.log"; note "harness: build FAILED"
+  fi
+fi
+
+if has timeline; then  # CTA by CTA: when the 64-row kernel's CTAs start, end, and how long each phase takes
+  stamp timeline
+  if build_tool /tmp/cta_timeline -DJSM_CTA_TIMELINE benchmarks/micro/cta_timeline.cu ffi/cuda/decode_launch.cu \
+      >"$OUT/timeline_build.log" 2>&1; then
+    for b in ${TIMELINE_BATCHES:-1 128}; do timeout 60 /tmp/cta_timeline "$b" 128 2>&1 | tee -a "$OUT/timeline.txt"; done
+    note "timeline: $(grep -c 'CTAs worked' "$OUT/timeline.txt") batches recorded"
+  else
+    tail -20 "$OUT/timeline_build.log"; note "timeline: build FAILED"
   fi
 fi
 

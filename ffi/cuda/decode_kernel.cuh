@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "cuda/cluster.cuh"
+#include "cuda/cta_timeline.cuh"
 #include "cuda/decode_common.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -589,8 +590,10 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     if (q_pending) {
       await_q(kBarQReady);
       q_pending = false;
+      stamp(t == 0 && n == 0, kStampQ);
     }
     wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);
+    stamp(t == 0 && n == 0, kStampFirstTile);
 
     // S = Q K^T
     float sacc[32];
@@ -713,7 +716,9 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
         l[hf] = 0.f;
       }
       named_bar_sync(kBarPieceEnd, kConsumers);
+      stamp(t == 0, kStampStoreQK);
       store_o(p, o, f, po, s, hg, r0, c, 0);
+      stamp(t == 0, kStampStoredQK);
       zero(o);
       parity ^= 1;
     }
@@ -770,7 +775,9 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
       const PieceOut po = piece_out(p, w, cur.r);
       named_bar_sync(kBarPieceEnd, kConsumers);
       const float f[2] = {final_s[parity * kRows + r0], final_s[parity * kRows + r0 + 8]};
+      stamp(t == 0, kStampStorePV);
       store_o(p, o, f, po, s, hg, r0, c, 256);
+      stamp(t == 0, kStampStoredPV);
       zero(o);
       parity ^= 1;
     }
@@ -788,9 +795,11 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   const int worker = blockIdx.x;
   const int s = blockIdx.y;
   const int hg = blockIdx.z;
+  stamp(threadIdx.x == 0, kStampEntry);
   const Work w = read_work(p, worker);
   // An idle worker: the whole CTA (and its cluster peer, same worker) leaves before any barrier.
   if (w.begin_req > w.end_req) return;
+  stamp(threadIdx.x == 0, kStampWork);
 
   const uint32_t sb = smem_u32(smem);
   init_tile_barriers(sb + L::kFull, sb + L::kEmpty, kProducers, kConsumerWarps * kCluster);
@@ -802,6 +811,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   } else {
     __syncthreads();
   }
+  stamp(threadIdx.x == 0, kStampInit);
 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
   if (wg >= 2) {
@@ -811,15 +821,19 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
     } else {
       produce_solo<F, kAligned, 2>(p, w, s, sb, smem, 0, threadIdx.x - kConsumers);
     }
+    stamp(threadIdx.x == kConsumers, kStampProducerDone);
   } else if (wg == 0) {
     setmaxnreg_inc<kRegsQK>();
     consume_qk<F, kCluster>(p, w, s, hg, sb, peer, smem);
+    stamp(threadIdx.x == 0, kStampQKDone);
   } else {
     setmaxnreg_dec<kRegsPV>();
     consume_pv<F, kCluster>(p, w, s, hg, sb, peer, smem);
+    stamp(threadIdx.x == kWarpgroup, kStampPVDone);
   }
   // The peer still writes into this CTA's tiles and arrives on its barriers until it is done.
   if (kCluster > 1) cluster_sync();
+  stamp(threadIdx.x == 0, kStampExit);
 }
 
 }  // namespace cuda

@@ -113,5 +113,16 @@ ffi::Error launch_decode(const DecodeProblem& dp, cudaStream_t stream) {
   return launch_format<KVFormat::kModel1>(dp, stream);
 }
 
+#ifdef JSM_CTA_TIMELINE
+cudaError_t copy_cta_timeline(CtaTimeline* host, bool clear) {
+  cudaError_t e = cudaMemcpyFromSymbol(host, g_cta_timeline, sizeof(g_cta_timeline));
+  if (e == cudaSuccess && clear) {
+    static const CtaTimeline zeros[kTimelineCtas] = {};
+    e = cudaMemcpyToSymbol(g_cta_timeline, zeros, sizeof(g_cta_timeline));
+  }
+  return e;
+}
+#endif
+
 }  // namespace cuda
 }  // namespace jsm

@@ -1,0 +1,142 @@
+// Where the 64-row decode kernel's time goes, CTA by CTA (ffi/cuda/cta_timeline.cuh): when
+// the CTAs start and end against each other (the GPU's nanosecond timer) and how long each
+// phase of a CTA takes (SM cycles). For the b = 1 question of issue #9: of the kernel's
+// ~15 us, how much is CTA work, how much launch and tail, and which phase is long.
+// V32, s_q = 2, top-k 2048 of 32768 tokens a request, every index valid, the default plan
+// (33 parts: 132 SMs). Build and run (on an H200):
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DJSM_CTA_TIMELINE \
+//     -I$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") -Iffi \
+//     -o /tmp/cta_timeline benchmarks/micro/cta_timeline.cu ffi/cuda/decode_launch.cu
+//   /tmp/cta_timeline [batch=1] [h_q=128] [launches=50]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda/cta_timeline.cuh"
+#include "cuda/decode_common.cuh"
+#include "host_problem.h"
+
+namespace {
+
+using jsm::cuda::CtaTimeline;
+using jsm::cuda::kTimelineCtas;
+namespace tl = jsm::cuda;
+
+// "min / median / max" of `v` (sorted here), scaled by `unit`.
+void print_spread(const char* what, std::vector<double> v, double unit, const char* unit_name) {
+  if (v.empty()) {
+    std::printf("  %-44s (not reached)\n", what);
+    return;
+  }
+  std::sort(v.begin(), v.end());
+  std::printf("  %-44s %8.2f %8.2f %8.2f %s (n=%zu)\n", what, v.front() * unit, v[v.size() / 2] * unit,
+              v.back() * unit, unit_name, v.size());
+}
+
+// Cycles from stamp `a` to stamp `b` of every CTA that reached both.
+std::vector<double> phase(const std::vector<CtaTimeline>& ctas, tl::Stamp a, tl::Stamp b) {
+  std::vector<double> v;
+  for (const auto& c : ctas)
+    if (c.clock[a] != 0 && c.clock[b] != 0) v.push_back(static_cast<double>(c.clock[b] - c.clock[a]));
+  return v;
+}
+
+bool check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) std::printf("%s: %s\n", what, cudaGetErrorString(e));
+  return e == cudaSuccess;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int batch = argc > 1 ? std::atoi(argv[1]) : 1;
+  const int h_q = argc > 2 ? std::atoi(argv[2]) : 128;
+  const int launches = argc > 3 ? std::max(std::atoi(argv[3]), 2) : 50;
+  const host_problem::Case c{"timeline", jsm::KVFormat::kV32, batch, 2, h_q, 2048, 0, 64, 64, batch * 512, 0, 0};
+  const jsm::DecodeProblem dp = host_problem::make_problem(c, /*garbage=*/false);
+
+  // Back-to-back launches: the time per launch as a stream of them sees it.
+  cudaEvent_t t0, t1;
+  cudaEventCreate(&t0);
+  cudaEventCreate(&t1);
+  for (int i = 0; i < 5; ++i) jsm::cuda::launch_decode(dp, nullptr);
+  cudaEventRecord(t0);
+  for (int i = 0; i < launches; ++i) jsm::cuda::launch_decode(dp, nullptr);
+  cudaEventRecord(t1);
+  if (!check(cudaEventSynchronize(t1), "launches")) return 1;
+  float ms = 0.f;
+  cudaEventElapsedTime(&ms, t0, t1);
+
+  // One more launch, alone, recorded.
+  std::vector<CtaTimeline> all(kTimelineCtas);
+  if (!check(tl::copy_cta_timeline(all.data(), /*clear=*/true), "clearing the timeline")) return 1;
+  const auto e = jsm::cuda::launch_decode(dp, nullptr);
+  if (e.failure()) {
+    std::printf("launch: %s\n", e.message().c_str());
+    return 1;
+  }
+  if (!check(cudaDeviceSynchronize(), "recorded launch")) return 1;
+  if (!check(tl::copy_cta_timeline(all.data(), /*clear=*/false), "reading the timeline")) return 1;
+
+  std::vector<CtaTimeline> used;
+  int idle = 0;
+  for (const auto& r : all) {
+    if (r.clock[tl::kStampEntry] == 0) continue;
+    if (r.clock[tl::kStampWork] == 0) {
+      ++idle;
+    } else {
+      used.push_back(r);
+    }
+  }
+  if (used.empty()) {
+    std::printf("no CTA recorded (built without -DJSM_CTA_TIMELINE, or not the 64-row kernel?)\n");
+    return 1;
+  }
+  unsigned long long first_start = ~0ull;
+  for (const auto& r : all)
+    if (r.clock[tl::kStampEntry] != 0) first_start = std::min(first_start, r.start_ns);
+  std::vector<double> starts, ends, lives_ns, lives_cycles;
+  for (const auto& r : used) {
+    starts.push_back(static_cast<double>(r.start_ns - first_start));
+    ends.push_back(static_cast<double>(r.end_ns - first_start));
+    lives_ns.push_back(static_cast<double>(r.end_ns - r.start_ns));
+    lives_cycles.push_back(static_cast<double>(r.clock[tl::kStampExit] - r.clock[tl::kStampEntry]));
+  }
+  double ns_sum = 0, cyc_sum = 0;
+  for (size_t i = 0; i < used.size(); ++i) ns_sum += lives_ns[i], cyc_sum += lives_cycles[i];
+  const double ghz = cyc_sum / ns_sum;  // SM cycles per ns, from the CTAs' own lives
+  const double us_per_cycle = 1e-3 / ghz;
+
+  std::printf("V32 b=%d s_q=2 h_q=%d top-k 2048: %d CTAs worked, %d idle; %.2f us a launch over %d back-to-back "
+              "launches; SM clock %.2f GHz (from the CTAs' lives)\n",
+              batch, h_q, static_cast<int>(used.size()), idle, 1e3 * ms / launches, launches, ghz);
+  std::printf("  %-44s %8s %8s %8s\n", "", "min", "median", "max");
+  std::printf("the recorded launch, nanosecond timer, from the first CTA's start:\n");
+  print_spread("CTA start", starts, 1e-3, "us");
+  print_spread("CTA end", ends, 1e-3, "us");
+  print_spread("CTA life", lives_ns, 1e-3, "us");
+  std::printf("phases of a CTA, SM cycles in us:\n");
+  const struct {
+    const char* what;
+    tl::Stamp a, b;
+  } phases[] = {
+      {"entry -> plan's work item read", tl::kStampEntry, tl::kStampWork},
+      {"work item -> barriers + cluster sync", tl::kStampWork, tl::kStampInit},
+      {"init -> Q in shared memory (WG0)", tl::kStampInit, tl::kStampQ},
+      {"init -> first K tile (WG0)", tl::kStampInit, tl::kStampFirstTile},
+      {"first K tile -> WG0's output stores", tl::kStampFirstTile, tl::kStampStoreQK},
+      {"WG0's output stores (issue)", tl::kStampStoreQK, tl::kStampStoredQK},
+      {"first K tile -> WG1's output stores", tl::kStampFirstTile, tl::kStampStorePV},
+      {"WG1's output stores (issue)", tl::kStampStorePV, tl::kStampStoredPV},
+      {"init -> producer done", tl::kStampInit, tl::kStampProducerDone},
+      {"init -> WG0 done", tl::kStampInit, tl::kStampQKDone},
+      {"init -> WG1 done", tl::kStampInit, tl::kStampPVDone},
+      {"WG1 done -> exit (cluster barrier)", tl::kStampPVDone, tl::kStampExit},
+      {"entry -> exit", tl::kStampEntry, tl::kStampExit},
+  };
+  for (const auto& ph : phases) print_spread(ph.what, phase(used, ph.a, ph.b), us_per_cycle, "us");
+  return 0;
+}
