@@ -66,7 +66,11 @@ fi
 if has pytest; then  # PYTEST_RUNS times in a row, each with fresh random seeds
   for run in $(seq 1 ${PYTEST_RUNS:-1}); do
     stamp "pytest run $run"
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${PYTEST_T:-270} python3 -m pytest $PYTEST_ARGS -q -n ${PYTEST_N:-8} \
+    # No gemm autotuning: the tests' XLA reference compiles anew for every case (new shapes, a
+    # random static sm_scale), and 8 workers autotuning its products on one GPU are the likely
+    # reason a tiny case took 20-40 s (session 12; PYTEST_XLA_FLAGS= to compare).
+    XLA_FLAGS="${PYTEST_XLA_FLAGS---xla_gpu_autotune_level=0}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      timeout ${PYTEST_T:-270} python3 -m pytest $PYTEST_ARGS -q -n ${PYTEST_N:-8} \
       --timeout 240 -p no:cacheprovider -rfE --durations=12 2>&1 | tee "$OUT/pytest_$run.log" | tail -8
     note "pytest run $run: $(grep -E '(passed|failed|error)' "$OUT/pytest_$run.log" | tail -1)"
   done
