@@ -1,8 +1,9 @@
 """The device-side tools in benchmarks/ still build against the current kernel sources (their
-runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, and the
-minimal kernels that reproduce racecheck's reports (named-barrier and mbarrier hand-offs); the
-parser that turns an ncu log into our kernel time per call (benchmarks/kernel_times.py); and the
-NumPy model of the 16-head kernel's rounding (benchmarks/numerics_probe.py)."""
+runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, the CTA
+timeline program, the minimal kernels that reproduce racecheck's reports (named-barrier and
+mbarrier hand-offs); the parser that turns an ncu log into our kernel time per call
+(benchmarks/kernel_times.py); and the NumPy model of the 16-head kernel's rounding
+(benchmarks/numerics_probe.py)."""
 
 import shutil
 import subprocess
@@ -26,10 +27,14 @@ ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
-def test_decode_harness_builds(tmp_path):
-    cmd = [NVCC, "-std=c++17", "-O1", ARCH, "--expt-relaxed-constexpr", f"-I{jax.ffi.include_dir()}",
-           f"-I{ROOT / 'ffi'}", "-o", str(tmp_path / "decode_harness"),
-           str(ROOT / "benchmarks/sanitizer_repro/decode_harness.cu"), str(ROOT / "ffi/cuda/decode_launch.cu")]
+@pytest.mark.parametrize("program, flags", [("sanitizer_repro/decode_harness.cu", []),
+                                            ("micro/cta_timeline.cu", ["-DJSM_CTA_TIMELINE"])])
+def test_decode_harness_builds(tmp_path, program, flags):
+    # The kernel launched without JAX: the sanitizers' harness, and the CTA timeline (its
+    # probes compiled in).
+    cmd = [NVCC, "-std=c++17", "-O1", ARCH, "--expt-relaxed-constexpr", *flags, f"-I{jax.ffi.include_dir()}",
+           f"-I{ROOT / 'ffi'}", "-o", str(tmp_path / "program"),
+           str(ROOT / "benchmarks" / program), str(ROOT / "ffi/cuda/decode_launch.cu")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 

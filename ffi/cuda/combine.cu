@@ -46,6 +46,8 @@ __device__ __forceinline__ void combine_row(const CombineArgs& cp, int r, int s,
   constexpr int kColumns = kDimV / kWarpsPerRow;  // this warp's columns of the row
   constexpr int kVecs = kColumns / 128;           // float4s a lane reads per piece
   const int s_q = cp.s_q, h_q = cp.h_q;
+  // __restrict__ copies: without them the loads cannot use the read-only path (ld.global.nc),
+  // as the stores to out and lse might alias them.
   const float* __restrict__ lse_accum = cp.lse_accum;
   uint16_t* __restrict__ out = cp.out;
   float* __restrict__ lse = cp.lse;
@@ -215,8 +217,7 @@ void launch_combine(const CombineArgs& p, int64_t rows, cudaStream_t stream) {
   combine_kernel<kWarpsPerRow, kInFlight><<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(p);
 }
 
-// Many rows: as many blocks as are resident at once, at most
-// one warp a row.
+// Many rows: as many blocks as are resident at once, at most one warp a row.
 ffi::Error launch_combine_rows(const CombineArgs& p, int64_t rows, int sms, cudaStream_t stream) {
   // Per SM, looked up once: the same on every device of a process (one kernel, one
   // architecture), so concurrent first calls may both look it up and store the same value.

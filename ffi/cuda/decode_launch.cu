@@ -116,10 +116,9 @@ ffi::Error launch_decode(const DecodeProblem& dp, cudaStream_t stream) {
 #ifdef JSM_CTA_TIMELINE
 cudaError_t copy_cta_timeline(CtaTimeline* host, bool clear) {
   cudaError_t e = cudaMemcpyFromSymbol(host, g_cta_timeline, sizeof(g_cta_timeline));
-  if (e == cudaSuccess && clear) {
-    static const CtaTimeline zeros[kTimelineCtas] = {};
-    e = cudaMemcpyToSymbol(g_cta_timeline, zeros, sizeof(g_cta_timeline));
-  }
+  void* records = nullptr;
+  if (e == cudaSuccess && clear) e = cudaGetSymbolAddress(&records, g_cta_timeline);
+  if (e == cudaSuccess && clear) e = cudaMemset(records, 0, sizeof(g_cta_timeline));
   return e;
 }
 #endif
