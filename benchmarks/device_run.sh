@@ -172,18 +172,18 @@ if has sanitize; then
   note "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1) / $(grep SMOKE "$OUT/sanitize.log")"
 fi
 
-if has racecheck; then  # shared-memory races and barrier misuse, in the JAX process
-  for tool in racecheck synccheck; do
+if has racecheck; then  # shared-memory races and barrier misuse, in the JAX process (SAN_TOOLS: a subset)
+  for tool in ${SAN_TOOLS:-racecheck synccheck}; do
     stamp "$tool"
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \
       XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout ${SAN_T:-150} \
       compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/gpu_smoke.py --sanitize \
       >"$OUT/$tool.log" 2>&1
-    note "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
+    note "$tool (rc $?): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
   done
 fi
 
-if has harness; then  # the sanitizers on the decode kernel alone (sanitizer_repro/decode_harness.cu: no JAX)
+if has harness; then  # the sanitizers on the decode kernel and the combine (sanitizer_repro/decode_harness.cu: no JAX)
   stamp harness
   # First the minimal hand-off kernels (sanitizer_repro/): a racecheck report there is about the
   # pattern (named barriers: the decode kernel's WG0 -> WG1 hand-off of P and alpha; mbarriers:
@@ -195,7 +195,7 @@ if has harness; then  # the sanitizers on the decode kernel alone (sanitizer_rep
       note "$repro $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|handoff' "$OUT/${repro}_$tool.log" | tr '\n' ' ')"
     done
   done
-  if build_tool /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu ffi/cuda/decode_launch.cu \
+  if build_tool /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu ffi/cuda/decode_launch.cu ffi/cuda/combine.cu \
       >"$OUT/harness_build.log" 2>&1; then
     for tool in memcheck racecheck synccheck; do
       timeout ${HARNESS_T:-120} compute-sanitizer --tool $tool --print-limit 20 /tmp/decode_harness >"$OUT/harness_$tool.log" 2>&1

@@ -27,14 +27,15 @@ ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
-@pytest.mark.parametrize("program, flags", [("sanitizer_repro/decode_harness.cu", []),
-                                            ("micro/cta_timeline.cu", ["-DJSM_CTA_TIMELINE"])])
-def test_decode_harness_builds(tmp_path, program, flags):
-    # The kernel launched without JAX: the sanitizers' harness, and the CTA timeline (its
-    # probes compiled in).
+@pytest.mark.parametrize("program, kernels, flags",
+                         [("sanitizer_repro/decode_harness.cu", ["decode_launch.cu", "combine.cu"], []),
+                          ("micro/cta_timeline.cu", ["decode_launch.cu"], ["-DJSM_CTA_TIMELINE"])])
+def test_decode_harness_builds(tmp_path, program, kernels, flags):
+    # The kernels launched without JAX: the sanitizers' harness (decode, then combine), and
+    # the CTA timeline (its probes compiled in).
     cmd = [NVCC, "-std=c++17", "-O1", ARCH, "--expt-relaxed-constexpr", *flags, f"-I{jax.ffi.include_dir()}",
            f"-I{ROOT / 'ffi'}", "-o", str(tmp_path / "program"),
-           str(ROOT / "benchmarks" / program), str(ROOT / "ffi/cuda/decode_launch.cu")]
+           str(ROOT / "benchmarks" / program), *(str(ROOT / "ffi/cuda" / k) for k in kernels)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -1,20 +1,22 @@
-// The CUDA decode kernel launched on its own, without JAX, for compute-sanitizer: random
+// The CUDA decode kernel and the combine after it, launched without JAX, for compute-sanitizer: random
 // cache bytes (NaN codes included), garbage indices (negative, past the cache), random
 // lengths, sinks, an extra cache, the few-heads kernel (16 heads), solo CTAs (16 under a
 // batch-invariant plan, 32, 64 heads) and paired CTAs (128), aligned and
 // unaligned MODEL1 pages, the default plan, 7 parts, the batch-invariant plan and garbage
-// plans. It checks nothing numeric (tests/test_gpu.py does): a run passes when every launch
+// plans. The combine runs both its few-rows kernels (16 heads) and its row walk (128 heads:
+// over 2 x 8 x 132 rows), on the plans' pieces and on garbage ones. It checks nothing numeric (tests/test_gpu.py does): a run passes when every launch
 // returns and the sanitizer reports nothing. Under the JAX process compute-sanitizer itself
 // crashed (benchmarks/NOTES.md, session 5); here a launch is a few lines of host code. Run:
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //     -I$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") -Iffi \
-//     -o /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu ffi/cuda/decode_launch.cu
+//     -o /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu ffi/cuda/decode_launch.cu ffi/cuda/combine.cu
 //   compute-sanitizer --tool memcheck /tmp/decode_harness   (and racecheck, synccheck)
 #include <cuda_runtime.h>
 
 #include <cstdio>
 
 #include "../micro/host_problem.h"
+#include "cuda/combine.h"
 #include "cuda/decode_common.cuh"
 
 namespace {
@@ -25,10 +27,25 @@ using jsm::KVFormat;
 bool run(const Case& c) {
   const jsm::DecodeProblem dp = host_problem::make_problem(c, /*garbage=*/true);
   const auto e = jsm::cuda::launch_decode(dp, nullptr);
+  jsm::CombineProblem cp{};
+  cp.batch = dp.batch;
+  cp.s_q = dp.s_q;
+  cp.h_q = dp.h_q;
+  cp.num_parts = dp.num_parts;
+  cp.has_sink = dp.has_sink;
+  cp.out_src = cp.out = dp.out;
+  cp.lse_src = cp.lse = dp.lse;
+  cp.out_accum = dp.out_accum;
+  cp.lse_accum = dp.lse_accum;
+  cp.num_splits = dp.num_splits;
+  cp.attn_sink = dp.attn_sink;
+  cp.sink_stride = dp.sink_stride;
+  const auto ec = jsm::cuda::launch_combine(cp, nullptr);
   const cudaError_t sync = cudaDeviceSynchronize();
-  const bool ok = !e.failure() && sync == cudaSuccess;
+  const bool ok = !e.failure() && !ec.failure() && sync == cudaSuccess;
   std::printf("%s %s\n", ok ? "ok  " : "FAIL", c.name);
-  if (e.failure()) std::printf("     launch: %s\n", e.message().c_str());
+  if (e.failure()) std::printf("     decode launch: %s\n", e.message().c_str());
+  if (ec.failure()) std::printf("     combine launch: %s\n", ec.message().c_str());
   if (sync != cudaSuccess) std::printf("     sync: %s\n", cudaGetErrorString(sync));
   return ok;
 }

@@ -1,5 +1,6 @@
-// jsm_combine on CUDA: merges the partial results of requests that the plan cut
-// into several pieces (docs/schedule.md, Combine), then applies the sink once.
+// The combine on CUDA: merges the partial results of requests that the plan cut into several
+// pieces (docs/schedule.md, Combine), then applies the sink once. The FFI handler that checks
+// the operands is combine_handler.cu.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -10,7 +11,7 @@
 
 #include "common/problem.h"
 #include "cuda/cuda_util.cuh"
-#include "handlers.h"
+#include "cuda/combine.h"
 
 namespace jsm {
 namespace cuda {
@@ -211,14 +212,14 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel_rows(const Com
 // use 168 registers a thread: 8 resident warps an SM; a grid beyond one wave pays for
 // its extra warps in whole waves).
 template <int kWarpsPerRow, int kInFlight>
-void launch_combine(const CombineArgs& p, int64_t rows, cudaStream_t stream) {
+void launch_few_rows(const CombineArgs& p, int64_t rows, cudaStream_t stream) {
   constexpr int64_t kWarpsPerBlock = kCombineThreads / 32;
   const int64_t blocks = (rows * kWarpsPerRow + kWarpsPerBlock - 1) / kWarpsPerBlock;
   combine_kernel<kWarpsPerRow, kInFlight><<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(p);
 }
 
 // Many rows: as many blocks as are resident at once, at most one warp a row.
-ffi::Error launch_combine_rows(const CombineArgs& p, int64_t rows, int sms, cudaStream_t stream) {
+ffi::Error launch_many_rows(const CombineArgs& p, int64_t rows, int sms, cudaStream_t stream) {
   // Per SM, looked up once: the same on every device of a process (one kernel, one
   // architecture), so concurrent first calls may both look it up and store the same value.
   static std::atomic<int> resident_blocks{0};
@@ -235,13 +236,9 @@ ffi::Error launch_combine_rows(const CombineArgs& p, int64_t rows, int sms, cuda
   return ffi::Error::Success();
 }
 
-ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer out_in, ffi::Buffer<ffi::F32> lse_in,
-                        ffi::Buffer<ffi::F32> out_accum, ffi::Buffer<ffi::F32> lse_accum,
-                        ffi::Buffer<ffi::S32> num_splits, ffi::Buffer<ffi::F32> attn_sink, bool has_sink,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
-  CombineProblem p;
-  JSM_RETURN_IF_ERROR(make_combine_problem(out_in, lse_in, out_accum, lse_accum, num_splits, attn_sink, has_sink,
-                                           out, lse, &p));
+}  // namespace
+
+ffi::Error launch_combine(const CombineProblem& p, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(p.batch) * p.s_q * p.h_q;
   if (p.out_src != p.out) {
     cudaError_t e = cudaMemcpyAsync(p.out, p.out_src, rows * kDimV * sizeof(uint16_t), cudaMemcpyDeviceToDevice, stream);
@@ -261,19 +258,14 @@ ffi::Error combine_impl(cudaStream_t stream, ffi::AnyBuffer out_in, ffi::Buffer<
   constexpr int64_t kResidentWarpsPerSm = 8;  // of the few-rows variants
   const int64_t one_wave = kResidentWarpsPerSm * sms;
   if (rows * 4 <= one_wave) {
-    launch_combine<4, 32>(args, rows, stream);
+    launch_few_rows<4, 32>(args, rows, stream);
   } else if (rows * 2 <= one_wave) {
-    launch_combine<2, 16>(args, rows, stream);
+    launch_few_rows<2, 16>(args, rows, stream);
   } else {
-    JSM_RETURN_IF_ERROR(launch_combine_rows(args, rows, sms, stream));
+    JSM_RETURN_IF_ERROR(launch_many_rows(args, rows, sms, stream));
   }
   return check_launch("combine_kernel");
 }
 
-}  // namespace
 }  // namespace cuda
 }  // namespace jsm
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCombineCuda, jsm::cuda::combine_impl,
-                              jsm::bind_combine(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
