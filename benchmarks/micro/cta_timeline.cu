@@ -126,6 +126,8 @@ int main(int argc, char** argv) {
       {"entry -> plan's work item read", tl::kStampEntry, tl::kStampWork},
       {"work item -> barriers + cluster sync", tl::kStampWork, tl::kStampInit},
       {"init -> Q in shared memory (WG0)", tl::kStampInit, tl::kStampQ},
+      {"init -> producer's first rows requested", tl::kStampInit, tl::kStampProducerIssued},
+      {"init -> producer's first block stored", tl::kStampInit, tl::kStampProducerStored},
       {"init -> first K tile (WG0)", tl::kStampInit, tl::kStampFirstTile},
       {"first K tile -> WG0's output stores", tl::kStampFirstTile, tl::kStampStoreQK},
       {"WG0's output stores (issue)", tl::kStampStoreQK, tl::kStampStoredQK},

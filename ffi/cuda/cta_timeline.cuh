@@ -22,6 +22,8 @@ enum Stamp {
   kStampStoredQK,       //   ... and are issued
   kStampStorePV,        // WG1, the same
   kStampStoredPV,       //
+  kStampProducerIssued, // pair producer, first block: its index read and its rows requested
+  kStampProducerStored, //   ... its rows dequantized into both tiles, `full` arrived on
   kStampProducerDone,   // producer warpgroup, its loop left
   kStampQKDone,         // WG0, its loop left
   kStampPVDone,         // WG1, its loop left

@@ -364,6 +364,7 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
     const int buf = n & 1;
     const int tile = L::kK + buf * L::kTile;
     const uint32_t full = L::kFull + 8 * buf;
+    stamp(t == 0 && n == 0, kStampProducerIssued);
     mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);  // both CTAs' consumers are done with it
     store_token<F, true>(raw, smem + tile, peer + tile, peer + full, slot, q4);
     const uint32_t v = __ballot_sync(0xffffffffu, cur.data != nullptr) & 0xffu;
@@ -377,6 +378,7 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
     } else {
       mbar_arrive(sb + full);
     }
+    stamp(t == 0 && n == 0, kStampProducerStored);
 
     if (!has1) break;
     has1 = has2;
