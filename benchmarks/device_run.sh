@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
 # Logs go to $OUT (the device tool brings them back); each verdict is printed as it comes.
-#   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck harness timeline variants" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+#   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck harness timeline micro variants" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 # Stage `anchor` is the yardstick against FlashMLA (kernel time of both on identical inputs):
 # it needs a copy of FlashMLA's measuring harness in .anchor/ (not part of the repository; git-ignored,
 # carried to the device) and runs .anchor/ktime.sh on $KSHAPES (docs/performance.md).
@@ -215,6 +215,18 @@ if has timeline; then  # CTA by CTA: when the 64-row kernel's CTAs start, end, a
   else
     tail -20 "$OUT/timeline_build.log"; note "timeline: build FAILED"
   fi
+fi
+
+if has micro; then  # microbenchmarks (benchmarks/micro/NAME.cu, no JAX): MICRO="tile_exchange wgmma_chains"
+  for m in ${MICRO:-tile_exchange}; do
+    stamp "micro $m"
+    if build_tool /tmp/$m benchmarks/micro/$m.cu >"$OUT/micro_$m.log" 2>&1; then
+      timeout ${MICRO_T:-120} /tmp/$m 2>&1 | tee -a "$OUT/micro.txt"
+      note "micro $m: $(grep -cE '^[A-Z]+ ' "$OUT/micro.txt") lines"
+    else
+      tail -20 "$OUT/micro_$m.log"; note "micro $m: build FAILED"
+    fi
+  done
 fi
 
 if has variants; then  # kernel variants side by side: each of $VARIANTS (benchmarks/patches/NAME.patch,

@@ -1,8 +1,8 @@
 """The device-side tools in benchmarks/ still build against the current kernel sources (their
 runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, the CTA
-timeline program, the minimal kernels that reproduce racecheck's reports (named-barrier and
-mbarrier hand-offs); the parser that turns an ncu log into our kernel time per call
-(benchmarks/kernel_times.py); and the NumPy model of the 16-head kernel's rounding
+timeline program, the microbenchmarks, the minimal kernels that reproduce racecheck's reports
+(named-barrier and mbarrier hand-offs); the parser that turns an ncu log into our kernel time
+per call (benchmarks/kernel_times.py); and the NumPy model of the 16-head kernel's rounding
 (benchmarks/numerics_probe.py)."""
 
 import shutil
@@ -36,6 +36,16 @@ def test_decode_harness_builds(tmp_path, program, kernels, flags):
     cmd = [NVCC, "-std=c++17", "-O1", ARCH, "--expt-relaxed-constexpr", *flags, f"-I{jax.ffi.include_dir()}",
            f"-I{ROOT / 'ffi'}", "-o", str(tmp_path / "program"),
            str(ROOT / "benchmarks" / program), *(str(ROOT / "ffi/cuda" / k) for k in kernels)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+@pytest.mark.parametrize("name", ["tile_exchange", "wgmma_chains"])
+def test_microbenchmark_builds(tmp_path, name):
+    # The microbenchmarks device_run.sh's stage `micro` runs, against the kernels' headers.
+    cmd = [NVCC, "-std=c++17", "-O1", ARCH, f"-I{jax.ffi.include_dir()}", f"-I{ROOT / 'ffi'}",
+           "-o", str(tmp_path / name), str(ROOT / f"benchmarks/micro/{name}.cu")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 

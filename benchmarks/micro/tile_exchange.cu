@@ -1,0 +1,174 @@
+// How fast a cluster pair can exchange K tiles the way the 128-head kernel's producers do
+// (decode_kernel.cuh, produce_pair), and what that costs a QK running beside it: the
+// question of benchmarks/NOTES.md, session 14 (the tile writes cost the consumers ~580
+// cycles a block; is that shared-memory bandwidth taken from QK, or the SM-to-SM network?).
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi \
+//     -I$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") benchmarks/micro/tile_exchange.cu -o /tmp/tile_exchange
+// Every SM holds one CTA; CTAs pair up in clusters of two. Per block, each CTA's producer
+// warpgroup writes half a tile (32 rows x 576 bf16 = 36,864 bytes, the kernel's addresses)
+// into its own buffer (STS), into the peer's (st.async onto the peer's `full`), or both; a
+// consumer warp waits on `full` and releases `empty` in both CTAs, two buffers deep. With
+// `qk`, a third warpgroup meanwhile repeats QK's product (36 m64n64k16, both operands in
+// shared memory) and reports its own rate.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda/cluster.cuh"
+#include "cuda/cuda_util.cuh"
+#include "cuda/wgmma.cuh"
+
+using namespace jsm::cuda;
+
+constexpr int kRowsTile = 64;
+constexpr int kGroupStride = kRowsTile * 16;         // bytes per 8-column group
+constexpr int kTile = 576 * kRowsTile * 2;           // 73,728 bytes
+constexpr int kHalf = kTile / 2;                     // what each producer writes a block
+constexpr int kOperands = 2 * 2 * kGroupStride;      // QK's A and B operand region (re-read)
+constexpr int kBars = 2 * kTile + kOperands;         // full[2], empty[2]
+constexpr int kSmem = kBars + 4 * 8;
+constexpr int kThreads = 128 + 32 + 128;             // producers, consumer warp, QK warpgroup
+constexpr int kBlocks = 256;                         // blocks exchanged a launch
+constexpr int kWarm = 16;                            // blocks before the clock starts
+
+enum Mode { kLocal = 1, kRemote = 2 };
+
+struct Result {
+  long long exchange_cycles;  // kBlocks - kWarm blocks
+  long long qk_cycles;        // qk_reps sequences of 36 products
+  int qk_reps;
+};
+
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
+    exchange_kernel(int mode, bool qk, Result* out) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const uint32_t sb = smem_u32(smem);
+  const int rank = cluster_ctarank();
+  const uint32_t peer = peer_smem(sb, rank ^ 1);
+  const uint32_t full = sb + kBars, empty = full + 16;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full + 8 * i, 128);
+      mbar_init(empty + 8 * i, 2);  // the consumer warps of both CTAs
+    }
+    fence_mbarrier_init_cluster();
+  }
+  cluster_sync();
+  __shared__ volatile int exchange_done;
+  if (threadIdx.x == 0) exchange_done = 0;
+  __syncthreads();
+
+  const int t = threadIdx.x;
+  if (t < 128) {  // producer: the kernel's rows and column groups
+    const int pw = t >> 5, lane = t & 31;
+    const int slot = 32 * rank + 8 * pw + (lane & 7);
+    const int q4 = lane >> 3;
+    long long t0 = 0;
+    const uint4 v = make_uint4(t, rank, 1, 2);
+    for (int n = 0; n < kBlocks; ++n) {
+      if (n == kWarm && t == 0) t0 = clock64();
+      const int buf = n & 1;
+      mbar_wait(empty + 8 * buf, ((n >> 1) & 1) ^ 1);
+      const uint32_t tile = sb + buf * kTile + slot * 16, peer_tile = peer + buf * kTile + slot * 16;
+      const uint32_t peer_full = peer + kBars + 8 * buf;
+#pragma unroll
+      for (int k = 0; k < 18; ++k) {
+        const int g = k < 16 ? 8 * (k / 2) + 2 * q4 + (k & 1) : 64 + 4 * (k - 16) + q4;
+        if (mode & kLocal)
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + g * kGroupStride), "r"(v.x), "r"(v.y),
+                       "r"(v.z), "r"(v.w)
+                       : "memory");
+        if (mode & kRemote) st_async_v4(peer_tile + g * kGroupStride, v, peer_full);
+      }
+      if (t == 0 && (mode & kRemote)) {
+        mbar_arrive_expect_tx(full + 8 * buf, kHalf);
+      } else {
+        mbar_arrive(full + 8 * buf);
+      }
+    }
+    if (t == 0) {
+      out[blockIdx.x].exchange_cycles = clock64() - t0;
+      exchange_done = 1;
+    }
+  } else if (t < 160) {  // consumer warp: waits for each tile, frees it in both CTAs
+    for (int n = 0; n < kBlocks; ++n) {
+      const int buf = n & 1;
+      mbar_wait(full + 8 * buf, (n >> 1) & 1);
+      __syncwarp();
+      if (t == 128) {
+        mbar_arrive(empty + 8 * buf);
+        mbar_arrive_relaxed(peer + kBars + 16 + 8 * buf);
+      }
+      __syncwarp();
+    }
+  } else if (qk) {  // QK's product over and over until the exchange is done (alone: 200 times)
+    const uint32_t a = sb + 2 * kTile, b = a + 2 * kGroupStride;
+    const uint64_t da = desc_k_major(a, kRowsTile), db = desc_k_major(b, kRowsTile);
+    float acc[32];
+    int reps = 0;
+    const long long t0 = clock64();
+    while (mode == 0 ? reps < 200 : !exchange_done) {
+      wgmma_fence();
+      wgmma_m64n64k16_ss_first(acc, da, db);
+#pragma unroll
+      for (int ks = 1; ks < 36; ++ks) wgmma_m64n64k16_ss(acc, da, db);
+      wgmma_commit();
+      wgmma_wait<0>();
+      ++reps;
+    }
+    const long long t1 = clock64();
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s += acc[i];
+    if (t == 160) {
+      out[blockIdx.x].qk_cycles = t1 - t0;
+      out[blockIdx.x].qk_reps = s == 12345.f ? 0 : reps;  // (keeps the products)
+    }
+  }
+  cluster_sync();  // the peer writes here until its last block
+}
+
+int main() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const int ctas = sms / 2 * 2;
+  Result* out;
+  cudaMalloc(&out, ctas * sizeof(Result));
+  cudaFuncSetAttribute(exchange_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  const struct {
+    const char* name;
+    int mode;
+    bool qk;
+  } cases[] = {{"local writes only", kLocal, false},
+               {"peer writes only (st.async)", kRemote, false},
+               {"both (the kernel's pattern)", kLocal | kRemote, false},
+               {"local writes + QK beside", kLocal, true},
+               {"both + QK beside", kLocal | kRemote, true},
+               {"no writes, QK alone", 0, true}};
+  for (const auto& c : cases) {
+    cudaMemset(out, 0, ctas * sizeof(Result));
+    exchange_kernel<<<ctas, kThreads, kSmem>>>(c.mode, c.qk, out);
+    if (cudaDeviceSynchronize() != cudaSuccess) {
+      std::printf("%s: %s\n", c.name, cudaGetErrorString(cudaGetLastError()));
+      return 1;
+    }
+    std::vector<Result> h(ctas);
+    cudaMemcpy(h.data(), out, ctas * sizeof(Result), cudaMemcpyDeviceToHost);
+    std::vector<double> per_block, per_qk;
+    for (const auto& r : h) {
+      per_block.push_back(static_cast<double>(r.exchange_cycles) / (kBlocks - kWarm));
+      if (r.qk_reps > 0) per_qk.push_back(static_cast<double>(r.qk_cycles) / r.qk_reps / 36);
+    }
+    std::sort(per_block.begin(), per_block.end());
+    std::sort(per_qk.begin(), per_qk.end());
+    const int bytes = ((c.mode & kLocal) ? kHalf : 0) + ((c.mode & kRemote) ? kHalf : 0);
+    std::printf("EXCHANGE %-30s %7.0f cycles a block (%5.1f B/cycle written by an SM)", c.name, per_block[ctas / 2],
+                bytes / per_block[ctas / 2]);
+    if (!per_qk.empty()) std::printf(", QK %5.1f cycles a m64n64k16", per_qk[per_qk.size() / 2]);
+    std::printf("\n");
+  }
+  return 0;
+}
