@@ -39,13 +39,14 @@ enum Case {
   kQk64SwAB,       // ... Q and the K tile both swizzled
   kQk16SwA,        // kQk16One with the K tile (A) swizzled
   kQk16SwAB,       // ... the K tile and Q both swizzled
+  kPv256Rs,        // 64-row O half with P from registers (WG0's P V): 4 m64n256k16
   kCases
 };
 const char* kNames[kCases] = {"qk m64n16 x36, 1 acc",     "qk m64n16 x36, 2 acc",     "qk m64n16 x36, 4 acc",
                               "pv m64n16 8x4 tile-major", "pv m64n16 8x4 step-major", "qk m64n64 x36, 1 acc",
                               "qk m64n64 x36, 2 acc",     "pv m64n256 x4 (ss, tb)",   "qk m64n64 x36, A sw128",
-                              "qk m64n64 x36, A+B sw128", "qk m64n16 x36, A sw128",   "qk m64n16 x36, A+B sw128"};
-const int kWgmmas[kCases] = {36, 36, 36, 32, 32, 36, 36, 4, 36, 36, 36, 36};
+                              "qk m64n64 x36, A+B sw128", "qk m64n16 x36, A sw128",   "qk m64n16 x36, A+B sw128", "pv m64n256 x4 (rs, tb)"};
+const int kWgmmas[kCases] = {36, 36, 36, 32, 32, 36, 36, 4, 36, 36, 36, 36, 4};
 
 // K-major operand of `rows` rows in the 128-byte swizzle layout (64-column atoms of rows x
 // 128 bytes, 1024-byte aligned; 8-row groups 1024 bytes apart): k-step ks's descriptor.
@@ -64,10 +65,10 @@ __device__ __forceinline__ void keep(float (&r)[N]) {
 // The accumulators a case uses (the others stay out of the register allocation).
 template <int kCase>
 __device__ __forceinline__ void keep_all(float (&a)[32], float (&b)[32], float (&c)[32], float (&d)[32], float (&o)[128]) {
-  if (kCase != kPv16TileMajor && kCase != kPv16StepMajor && kCase != kPv256) keep(a);  // (the swizzled cases too)
+  if (kCase != kPv16TileMajor && kCase != kPv16StepMajor && kCase != kPv256 && kCase != kPv256Rs) keep(a);  // (the swizzled cases too)
   if (kCase == kQk16Two || kCase == kQk16Four || kCase == kQk64Two) keep(b);
   if (kCase == kQk16Four) keep(c), keep(d);
-  if (kCase == kPv16TileMajor || kCase == kPv16StepMajor || kCase == kPv256) keep(o);
+  if (kCase == kPv16TileMajor || kCase == kPv16StepMajor || kCase == kPv256 || kCase == kPv256Rs) keep(o);
 }
 
 template <int kCase>
@@ -82,6 +83,7 @@ __global__ void __launch_bounds__(128, 1) chain_kernel(float* sink, long long* c
   const uint32_t p_s = q + kTileBytes;   // P (64 or 16 rows)
   float a[32] = {}, b[32] = {}, c[32] = {}, d[32] = {};
   float o[128] = {};
+  uint32_t pf[16] = {};  // P's A fragments (zeros) for the register form
   long long t0 = 0;
   for (int rep = -4; rep < kReps; ++rep) {  // 4 warm-up repetitions
     if (rep == 0) t0 = clock64();
@@ -126,6 +128,10 @@ __global__ void __launch_bounds__(128, 1) chain_kernel(float* sink, long long* c
         wgmma_m64n16k16_ss<kKMajor>(a, desc_sw128(tile, kRows, ks),
                                     kCase == kQk16SwAB ? desc_sw128(q, 16, ks)
                                                        : dq + static_cast<uint64_t>(ks * 2 * 16 * 16 / 16));
+    } else if (kCase == kPv256Rs) {
+      const uint64_t dv = desc_n_major(tile, kRows);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) wgmma_m64n256k16_rs_tb(o, pf + 4 * ks, dv + static_cast<uint64_t>(ks * 16));
     } else {
       const uint64_t dp = desc_k_major(p_s, kRows), dv = desc_n_major(tile + 32 * kGroupStride, kRows);
 #pragma unroll
