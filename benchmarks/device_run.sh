@@ -111,6 +111,10 @@ if has anchor; then  # ours vs FlashMLA, kernel time per call from ncu, same inp
     python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1 || tail -20 "$OUT/fm_build.log"
     OUT="$OUT" KSHAPES="${KSHAPES:-v32_h128_s2_b128_k2048}" bash .anchor/ktime.sh 2>&1 | grep -E "KTIME|median"
     note "$(grep KTIME "$OUT/ktime.txt" 2>/dev/null)"
+    # A shape that came back without times: the end of its ncu log (the logs stay on the device).
+    for sh in $(grep -oE 'KTIME [a-z0-9_]+ incomplete' "$OUT/ktime.txt" | cut -d' ' -f2); do
+      echo "--- $sh:"; tail -15 "${KTIME_LOGS:-/tmp/ktime_logs}/ncu_$sh.log"
+    done
   else
     note "anchor: no .anchor/ (copy FlashMLA's harness there and carry it)"
   fi
