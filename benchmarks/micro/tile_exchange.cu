@@ -6,8 +6,9 @@
 //     -I$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") benchmarks/micro/tile_exchange.cu -o /tmp/tile_exchange
 // Every SM holds one CTA; CTAs pair up in clusters of two. Per block, each CTA's producer
 // warpgroup writes half a tile (32 rows x 576 bf16 = 36,864 bytes, the kernel's addresses)
-// into its own buffer (STS), into the peer's (st.async onto the peer's `full`), or both; a
-// consumer warp waits on `full` and releases `empty` in both CTAs, two buffers deep. With
+// into its own buffer (STS), into the peer's (st.async onto the peer's `full`), or both, or
+// its own and then the peer's by bulk copies of its own (the copy engine, 512 bytes a column
+// group); a consumer warp waits on `full` and releases `empty` in both CTAs, two buffers deep. With
 // `qk`, a third warpgroup meanwhile repeats QK's product (36 m64n64k16, both operands in
 // shared memory) and reports its own rate.
 #include <cuda_runtime.h>
@@ -34,7 +35,7 @@ constexpr int kThreads = 128 + 32 + 128;             // producers, consumer warp
 constexpr int kBlocks = 256;                         // blocks exchanged a launch
 constexpr int kWarm = 16;                            // blocks before the clock starts
 
-enum Mode { kLocal = 1, kRemote = 2 };
+enum Mode { kLocal = 1, kRemote = 2, kBulk = 4 };  // kBulk: the peer's half by bulk copies of the local one
 
 struct Result {
   long long exchange_cycles;  // kBlocks - kWarm blocks
@@ -83,7 +84,20 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
                        : "memory");
         if (mode & kRemote) st_async_v4(peer_tile + g * kGroupStride, v, peer_full);
       }
-      if (t == 0 && (mode & kRemote)) {
+      if (mode & kBulk) {  // the local half, once written, goes to the peer as 72 copies of 512 bytes
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        named_bar_sync(1, 128);
+        if (lane == 0)
+          for (int g = 18 * pw; g < 18 * pw + 18; ++g) {
+            const uint32_t off = buf * kTile + g * kGroupStride + rank * (kGroupStride / 2);
+            asm volatile(
+                "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                    peer + off),
+                "r"(sb + off), "n"(kGroupStride / 2), "r"(peer_full)
+                : "memory");
+          }
+      }
+      if (t == 0 && (mode & (kRemote | kBulk))) {
         mbar_arrive_expect_tx(full + 8 * buf, kHalf);
       } else {
         mbar_arrive(full + 8 * buf);
@@ -145,8 +159,10 @@ int main() {
   } cases[] = {{"local writes only", kLocal, false},
                {"peer writes only (st.async)", kRemote, false},
                {"both (the kernel's pattern)", kLocal | kRemote, false},
+               {"local + bulk copies to the peer", kLocal | kBulk, false},
                {"local writes + QK beside", kLocal, true},
                {"both + QK beside", kLocal | kRemote, true},
+               {"local + bulk copies + QK beside", kLocal | kBulk, true},
                {"no writes, QK alone", 0, true}};
   for (const auto& c : cases) {
     cudaMemset(out, 0, ctas * sizeof(Result));
@@ -164,7 +180,7 @@ int main() {
     }
     std::sort(per_block.begin(), per_block.end());
     std::sort(per_qk.begin(), per_qk.end());
-    const int bytes = ((c.mode & kLocal) ? kHalf : 0) + ((c.mode & kRemote) ? kHalf : 0);
+    const int bytes = ((c.mode & kLocal) ? kHalf : 0) + ((c.mode & (kRemote | kBulk)) ? kHalf : 0);
     std::printf("EXCHANGE %-30s %7.0f cycles a block (%5.1f B/cycle written by an SM)", c.name, per_block[ctas / 2],
                 bytes / per_block[ctas / 2]);
     if (!per_qk.empty()) std::printf(", QK %5.1f cycles a m64n64k16", per_qk[per_qk.size() / 2]);
