@@ -1,15 +1,17 @@
-// The CUDA decode kernel and the combine after it, launched without JAX, for compute-sanitizer: random
-// cache bytes (NaN codes included), garbage indices (negative, past the cache), random
-// lengths, sinks, an extra cache, the few-heads kernel (16 heads), solo CTAs (16 under a
-// batch-invariant plan, 32, 64 heads) and paired CTAs (128), aligned and
+// The CUDA decode kernel and the combine after it, launched without JAX, for
+// compute-sanitizer: random cache bytes (NaN codes included), garbage indices (negative, past
+// the cache), random lengths, sinks, an extra cache, the few-heads kernel (16 heads), solo
+// CTAs (16 under a batch-invariant plan, 32, 64 heads) and paired CTAs (128), aligned and
 // unaligned MODEL1 pages, the default plan, 7 parts, the batch-invariant plan and garbage
-// plans. The combine runs both its few-rows kernels (16 heads) and its row walk (128 heads:
-// over 2 x 8 x 132 rows), on the plans' pieces and on garbage ones. It checks nothing numeric (tests/test_gpu.py does): a run passes when every launch
-// returns and the sanitizer reports nothing. Under the JAX process compute-sanitizer itself
-// crashed (benchmarks/NOTES.md, session 5); here a launch is a few lines of host code. Run:
+// plans. The combine runs its few-rows kernels (16 heads) and its row walk (128 heads: more
+// than 2 x 8 x 132 rows), on the plans' pieces and on garbage ones. It checks nothing numeric
+// (tests/test_gpu.py does): a run passes when every launch returns and the sanitizer reports
+// nothing. Under the JAX process compute-sanitizer itself crashed (benchmarks/NOTES.md,
+// session 5); here a launch is a few lines of host code. Run:
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //     -I$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") -Iffi \
-//     -o /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu ffi/cuda/decode_launch.cu ffi/cuda/combine.cu
+//     -o /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu \
+//        ffi/cuda/decode_launch.cu ffi/cuda/combine.cu
 //   compute-sanitizer --tool memcheck /tmp/decode_harness   (and racecheck, synccheck)
 #include <cuda_runtime.h>
 
