@@ -225,8 +225,8 @@ if has micro; then  # microbenchmarks (benchmarks/micro/NAME.cu, no JAX): MICRO=
   for m in ${MICRO:-tile_exchange}; do
     stamp "micro $m"
     if build_tool /tmp/$m benchmarks/micro/$m.cu >"$OUT/micro_$m.log" 2>&1; then
-      timeout ${MICRO_T:-120} /tmp/$m 2>&1 | tee -a "$OUT/micro.txt"
-      note "micro $m: $(grep -cE '^[A-Z]+ ' "$OUT/micro.txt") lines"
+      lines=$(timeout ${MICRO_T:-120} /tmp/$m 2>&1 | tee -a "$OUT/micro.txt" | tee /dev/stderr | grep -cE '^[A-Z]+ ')
+      note "micro $m: $lines result lines"
     else
       tail -20 "$OUT/micro_$m.log"; note "micro $m: build FAILED"
     fi

@@ -26,6 +26,14 @@ NVCC = shutil.which("nvcc")
 ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 
 
+def _builds(tmp_path, sources, *flags):
+    """nvcc compiles and links `sources` (paths under the repository) for sm_90a, with the
+    include paths of the kernels (theirs and XLA FFI's): returns the compiler's result."""
+    cmd = [NVCC, "-std=c++17", "-O1", ARCH, "--expt-relaxed-constexpr", *flags, f"-I{jax.ffi.include_dir()}",
+           f"-I{ROOT / 'ffi'}", "-o", str(tmp_path / "program"), *(str(ROOT / src) for src in sources)]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
 @pytest.mark.parametrize("program, kernels, flags",
                          [("sanitizer_repro/decode_harness.cu", ["decode_launch.cu", "combine.cu"], []),
@@ -33,10 +41,7 @@ ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 def test_decode_harness_builds(tmp_path, program, kernels, flags):
     # The kernels launched without JAX: the sanitizers' harness (decode, then combine), and
     # the CTA timeline (its probes compiled in).
-    cmd = [NVCC, "-std=c++17", "-O1", ARCH, "--expt-relaxed-constexpr", *flags, f"-I{jax.ffi.include_dir()}",
-           f"-I{ROOT / 'ffi'}", "-o", str(tmp_path / "program"),
-           str(ROOT / "benchmarks" / program), *(str(ROOT / "ffi/cuda" / k) for k in kernels)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = _builds(tmp_path, [f"benchmarks/{program}", *(f"ffi/cuda/{k}" for k in kernels)], *flags)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -44,17 +49,14 @@ def test_decode_harness_builds(tmp_path, program, kernels, flags):
 @pytest.mark.parametrize("name", ["tile_exchange", "wgmma_chains"])
 def test_microbenchmark_builds(tmp_path, name):
     # The microbenchmarks device_run.sh's stage `micro` runs, against the kernels' headers.
-    cmd = [NVCC, "-std=c++17", "-O1", ARCH, f"-I{jax.ffi.include_dir()}", f"-I{ROOT / 'ffi'}",
-           "-o", str(tmp_path / name), str(ROOT / f"benchmarks/micro/{name}.cu")]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = _builds(tmp_path, [f"benchmarks/micro/{name}.cu"])
     assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
 @pytest.mark.parametrize("name", ["named_barrier_handoff", "mbarrier_handoff"])
 def test_reproducer_builds(tmp_path, name):
-    cmd = [NVCC, ARCH, "-o", str(tmp_path / name), str(ROOT / f"benchmarks/sanitizer_repro/{name}.cu")]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = _builds(tmp_path, [f"benchmarks/sanitizer_repro/{name}.cu"])
     assert done.returncode == 0, done.stderr[-3000:]
 
 

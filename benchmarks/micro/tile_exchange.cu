@@ -85,7 +85,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
         if (mode & kRemote) st_async_v4(peer_tile + g * kGroupStride, v, peer_full);
       }
       if (mode & kBulk) {  // the local half, once written, goes to the peer as 72 copies of 512 bytes
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        fence_proxy_async();
         named_bar_sync(1, 128);
         if (lane == 0)
           for (int g = 18 * pw; g < 18 * pw + 18; ++g) {
