@@ -72,6 +72,9 @@ if has pytest; then  # PYTEST_RUNS times in a row, each with fresh random seeds
     XLA_FLAGS="${PYTEST_XLA_FLAGS---xla_gpu_autotune_level=0}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
       timeout ${PYTEST_T:-270} python3 -m pytest $PYTEST_ARGS -q -n ${PYTEST_N:-8} \
       --timeout 240 -p no:cacheprovider -rfE --durations=12 2>&1 | tee "$OUT/pytest_$run.log" | tail -8
+    # A failure's seed and assertion on stdout: the log itself may not come back (the device
+    # returns a limited number of files), and a fresh seed is only known from it.
+    grep -E "^(E  |_{3,} test|seed=)" "$OUT/pytest_$run.log" | head -${PYTEST_FAIL_LINES:-40}
     note "pytest run $run: $(grep -E '(passed|failed|error)' "$OUT/pytest_$run.log" | tail -1)"
   done
 fi

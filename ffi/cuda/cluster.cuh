@@ -59,6 +59,13 @@ __device__ __forceinline__ void fence_mbarrier_init_cluster() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
+// The start of a cluster's life, split: every thread arrives (relaxed: thread 0's
+// fence_mbarrier_init_cluster orders its barrier initializations before its arrival), may
+// then issue work that touches neither barriers nor the peer (global loads, copies into
+// its own shared memory), and waits (acquire) before its first barrier or peer access.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
+
 // Every thread of every CTA of the cluster (all warps converged).
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");

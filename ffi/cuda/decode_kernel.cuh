@@ -353,6 +353,7 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
   bool has2 = c.r <= w.end_req;
   EntryIndex idx = load_entry(c, p, s, w.end_req, slot);  // block n + 2
   cursor_advance(c, p, w.end_req, w.end_block);           // c: block n + 3
+  cluster_wait();  // (decode_kernel: the first loads above went out before it)
 
   for (int n = 0;; ++n) {
     RawToken<F> next;
@@ -574,6 +575,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
   Cursor cur;
   cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
   load_q<F>(p, cur.r, s, hg * kRows, sb + L::kQ, t);
+  if (kCluster > 1) cluster_wait();  // (decode_kernel: Q's copies went out before it)
   bool q_pending = true;
   bool first = true;  // first block of a piece
   int parity = 0;     // piece parity (final_s buffer)
@@ -742,6 +744,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
 
   Cursor cur;
   cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  if (kCluster > 1) cluster_wait();  // (decode_kernel)
   int parity = 0;
   float o[128];
   zero(o);
@@ -809,7 +812,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   uint32_t peer = 0;
   if (kCluster > 1) {
     peer = peer_smem(sb, cluster_ctarank() ^ 1);
-    cluster_sync();  // the peer's barriers are initialized before anyone arrives on them
+    // Each role waits (cluster_wait) once its first loads are out, before its first barrier
+    // or peer access: the peer's barriers are initialized before anyone arrives on them.
+    cluster_arrive_relaxed();
   } else {
     __syncthreads();
   }
