@@ -1,7 +1,8 @@
 // Where the 64-row decode kernel's time goes, CTA by CTA (ffi/cuda/cta_timeline.cuh): when
 // the CTAs start and end against each other (the GPU's nanosecond timer) and how long each
 // phase of a CTA takes (SM cycles). For the b = 1 question of issue #9: of the kernel's
-// ~15 us, how much is CTA work, how much launch and tail, and which phase is long.
+// ~15 us, how much is CTA work, how much launch and tail, and which phase is long. For
+// b = 128: where a block's time goes in steady state (the repeated phases, added up).
 // V32, s_q = 2, top-k 2048 of 32768 tokens a request, every index valid, the default plan
 // (33 parts: 132 SMs). Build and run (on an H200):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DJSM_CTA_TIMELINE \
@@ -140,5 +141,41 @@ int main(int argc, char** argv) {
       {"entry -> exit", tl::kStampEntry, tl::kStampExit},
   };
   for (const auto& ph : phases) print_spread(ph.what, phase(used, ph.a, ph.b), us_per_cycle, "us");
+
+  // Steady state: each repeated phase's cycles added up per CTA (the share of the CTA's life)
+  // and per occurrence.
+  std::printf("repeated phases: total a CTA (us) and cycles each time (median count a CTA):\n");
+  const struct {
+    const char* what;
+    tl::Span k;
+  } spans[] = {
+      {"WG0 waits for the K tile", tl::kSpanQKWaitTile},
+      {"WG0 QK", tl::kSpanQK},
+      {"WG0 softmax, P handed over", tl::kSpanSoftmax},
+      {"  of it: waiting for WG1 to free P", tl::kSpanQKWaitPFree},
+      {"WG0 P V (its half)", tl::kSpanQKPV},
+      {"WG0 piece end (sums, stores)", tl::kSpanQKPieceEnd},
+      {"WG1 waits for P", tl::kSpanPVWaitP},
+      {"WG1 P V (its half)", tl::kSpanPV},
+      {"WG1 piece end (stores)", tl::kSpanPVPieceEnd},
+      {"producer waits for a free buffer", tl::kSpanProducerWaitEmpty},
+      {"producer converts and writes a block", tl::kSpanProducerStore},
+  };
+  for (const auto& sp : spans) {
+    std::vector<double> total, each, count;
+    for (const auto& r : used) {
+      if (r.span_count[sp.k] == 0) continue;
+      total.push_back(static_cast<double>(r.span_cycles[sp.k]));
+      each.push_back(static_cast<double>(r.span_cycles[sp.k]) / r.span_count[sp.k]);
+      count.push_back(r.span_count[sp.k]);
+    }
+    print_spread(sp.what, total, us_per_cycle, "us");
+    if (!each.empty()) {
+      std::sort(each.begin(), each.end());
+      std::sort(count.begin(), count.end());
+      std::printf("  %-44s %8.0f cycles each, median of %.0f a CTA\n", "", each[each.size() / 2],
+                  count[count.size() / 2]);
+    }
+  }
   return 0;
 }

@@ -2,7 +2,10 @@
 // 64-row decode kernel records when it reaches a few points of its life (SM clock cycles,
 // and the GPU's nanosecond timer at entry and exit so that CTAs on different SMs can be
 // lined up). benchmarks/micro/cta_timeline.cu launches the kernel and reads the records.
-// Without the flag `stamp` is empty and the kernel's code is unchanged.
+// Spans add up the cycles of a phase that repeats every block (a wait, a product, the
+// softmax), per CTA, with how often it ran: where a block's time goes in steady state.
+// Without the flag `stamp`, `span_clock` and `span_add` are empty and the kernel's code is
+// unchanged.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,10 +34,28 @@ enum Stamp {
   kStamps
 };
 
+// Repeated phases, each measured by one thread of its role (t = 0 of the warpgroup).
+enum Span {
+  kSpanQKWaitTile,      // WG0: waiting for the block's K tile (`full`)
+  kSpanQK,              //   its QK product, issue to completion
+  kSpanSoftmax,         //   QK done -> P handed to WG1 (includes kSpanQKWaitPFree)
+  kSpanQKWaitPFree,     //   waiting for WG1 to be done with the last block's P
+  kSpanQKPV,            //   P handed -> its half of P V complete (rescale included)
+  kSpanQKPieceEnd,      //   a piece's end: sums, lse, barrier, output stores issued
+  kSpanPVWaitP,         // WG1: waiting for WG0's P
+  kSpanPV,              //   P ready -> its half of P V complete (rescale included)
+  kSpanPVPieceEnd,      //   a piece's end: barrier, output stores issued
+  kSpanProducerWaitEmpty,  // producer: waiting for a free buffer (`empty`)
+  kSpanProducerStore,      //   converting and writing a block (both CTAs' tiles), `full` arrived
+  kSpans
+};
+
 constexpr int kTimelineCtas = 1024;  // CTAs past this are not recorded
 
 struct CtaTimeline {
   long long clock[kStamps];  // clock64(), 0 where not reached
+  unsigned long long span_cycles[kSpans];
+  unsigned span_count[kSpans];
   unsigned long long start_ns, end_ns;
   unsigned smid;
 };
@@ -68,12 +89,25 @@ __device__ __forceinline__ void stamp(bool when, Stamp k) {
   }
 }
 
+__device__ __forceinline__ long long span_clock() { return clock64(); }
+
+// Adds the cycles since `since` (a span_clock value) to span `k` when `when` holds. Fire and
+// forget (reductions, no result awaited): the measured thread does not wait on memory.
+__device__ __forceinline__ void span_add(bool when, Span k, long long since) {
+  CtaTimeline* tl = when ? timeline_of_this_cta() : nullptr;
+  if (tl == nullptr) return;
+  atomicAdd(&tl->span_cycles[k], static_cast<unsigned long long>(clock64() - since));
+  atomicAdd(&tl->span_count[k], 1u);
+}
+
 // The records of the last launches (kTimelineCtas of them, by linear CTA index), then zeroed
 // when `clear` (defined beside the launches, in decode_launch.cu, whose copy of
 // g_cta_timeline the kernels write).
 cudaError_t copy_cta_timeline(CtaTimeline* host, bool clear);
 #else
 __device__ __forceinline__ void stamp(bool, Stamp) {}
+__device__ __forceinline__ long long span_clock() { return 0; }
+__device__ __forceinline__ void span_add(bool, Span, long long) {}
 #endif
 
 }  // namespace cuda

@@ -366,7 +366,10 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
     const int tile = L::kK + buf * L::kTile;
     const uint32_t full = L::kFull + 8 * buf;
     stamp(t == 0 && n == 0, kStampProducerIssued);
+    long long span_t = span_clock();
     mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);  // both CTAs' consumers are done with it
+    span_add(t == 0, kSpanProducerWaitEmpty, span_t);
+    span_t = span_clock();
     store_token<F, true>(raw, smem + tile, peer + tile, peer + full, slot, q4);
     const uint32_t v = __ballot_sync(0xffffffffu, cur.data != nullptr) & 0xffu;
     if (lane == 0) {
@@ -380,6 +383,7 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
       mbar_arrive(sb + full);
     }
     stamp(t == 0 && n == 0, kStampProducerStored);
+    span_add(t == 0, kSpanProducerStore, span_t);
 
     if (!has1) break;
     has1 = has2;
@@ -596,8 +600,11 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
       q_pending = false;
       stamp(t == 0 && n == 0, kStampQ);
     }
+    long long span_t = span_clock();
     wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);
     stamp(t == 0 && n == 0, kStampFirstTile);
+    span_add(t == 0, kSpanQKWaitTile, span_t);
+    span_t = span_clock();
 
     // S = Q K^T
     float sacc[32];
@@ -616,6 +623,8 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     } else {
       zero(sacc);
     }
+    span_add(t == 0, kSpanQK, span_t);
+    span_t = span_clock();
     if (last && nx.r <= w.end_req) {  // Q is free: fetch the next request's
       load_q<F>(p, nx.r, s, hg * kRows, sb + L::kQ, t);
       q_pending = true;
@@ -663,7 +672,11 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
       for (int e = 0; e < 4; ++e) pf[4 * ks + e] = pack_bf16x2(sacc[8 * ks + 2 * e], sacc[8 * ks + 2 * e + 1]);
-    if (!first) named_bar_sync(kBarPFree, kConsumers);
+    if (!first) {
+      const long long span_free = span_clock();
+      named_bar_sync(kBarPFree, kConsumers);
+      span_add(t == 0, kSpanQKWaitPFree, span_free);
+    }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
@@ -678,6 +691,8 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     }
     fence_proxy_async();
     named_bar_arrive(kBarPReady, kConsumers);
+    span_add(t == 0, kSpanSoftmax, span_t);
+    span_t = span_clock();
 
     // O[:, 0:256] = alpha O + P V (at a piece's first block O is zero: nothing to scale)
     if (!first) rescale_o(o, alpha[0], alpha[1]);
@@ -692,10 +707,12 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
       pin(o);
       pin(pf);
     }
+    span_add(t == 0, kSpanQKPV, span_t);
     release_tile<kCluster>(sb + L::kEmpty + 8 * buf, peer + L::kEmpty + 8 * buf);
 
     first = last;
     if (last) {
+      span_t = span_clock();
       const PieceOut po = piece_out(p, w, cur.r);
       float f[2];
 #pragma unroll
@@ -723,6 +740,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
       stamp(t == 0, kStampStoreQK);
       store_o(p, o, f, po, s, hg, r0, c, 0);
       stamp(t == 0, kStampStoredQK);
+      span_add(t == 0, kSpanQKPieceEnd, span_t);
       zero(o);
       parity ^= 1;
     }
@@ -756,7 +774,10 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
     const int buf = st.buf;
     const uint32_t k_s = st.k_tile;
 
+    long long span_t = span_clock();
     named_bar_sync(kBarPReady, kConsumers);
+    span_add(t == 0, kSpanPVWaitP, span_t);
+    span_t = span_clock();
     wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);  // (already complete: makes K visible here too)
     rescale_o(o, alpha_s[r0], alpha_s[r0 + 8]);
     if (!kSkipMma) {
@@ -772,17 +793,20 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
       wgmma_wait<0>();
       pin(o);
     }
+    span_add(t == 0, kSpanPV, span_t);
     release_tile<kCluster>(sb + L::kEmpty + 8 * buf, peer + L::kEmpty + 8 * buf);
 
     if (!last) {
       named_bar_arrive(kBarPFree, kConsumers);
     } else {
+      span_t = span_clock();
       const PieceOut po = piece_out(p, w, cur.r);
       named_bar_sync(kBarPieceEnd, kConsumers);
       const float f[2] = {final_s[parity * kRows + r0], final_s[parity * kRows + r0 + 8]};
       stamp(t == 0, kStampStorePV);
       store_o(p, o, f, po, s, hg, r0, c, 256);
       stamp(t == 0, kStampStoredPV);
+      span_add(t == 0, kSpanPVPieceEnd, span_t);
       zero(o);
       parity ^= 1;
     }
