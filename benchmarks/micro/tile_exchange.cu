@@ -31,7 +31,9 @@ constexpr int kHalf = kTile / 2;                     // what each producer write
 constexpr int kOperands = 2 * 2 * kGroupStride;      // QK's A and B operand region (re-read)
 constexpr int kBars = 2 * kTile + kOperands;         // full[2], empty[2]
 constexpr int kSmem = kBars + 4 * 8;
-constexpr int kThreads = 128 + 32 + 128;             // producers, consumer warp, QK warpgroup
+// QK warpgroup first: wgmma needs a whole warpgroup (warps 4k .. 4k + 3), which the warps
+// after a lone consumer warp would not be (an illegal instruction, session 15).
+constexpr int kThreads = 128 + 128 + 32;             // QK warpgroup, producers, consumer warp
 constexpr int kBlocks = 256;                         // blocks exchanged a launch
 constexpr int kWarm = 16;                            // blocks before the clock starts
 
@@ -62,8 +64,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) exchange_done = 0;
   __syncthreads();
 
-  const int t = threadIdx.x;
-  if (t < 128) {  // producer: the kernel's rows and column groups
+  const int t = threadIdx.x - 128;  // producers 0 .. 127, the consumer warp 128 .. 159
+  if (t >= 0 && t < 128) {  // producer: the kernel's rows and column groups
     const int pw = t >> 5, lane = t & 31;
     const int slot = 32 * rank + 8 * pw + (lane & 7);
     const int q4 = lane >> 3;
@@ -107,7 +109,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
       out[blockIdx.x].exchange_cycles = clock64() - t0;
       exchange_done = 1;
     }
-  } else if (t < 160) {  // consumer warp: waits for each tile, frees it in both CTAs
+  } else if (t >= 128) {  // consumer warp: waits for each tile, frees it in both CTAs
     for (int n = 0; n < kBlocks; ++n) {
       const int buf = n & 1;
       mbar_wait(full + 8 * buf, (n >> 1) & 1);
@@ -118,7 +120,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
       }
       __syncwarp();
     }
-  } else if (qk) {  // QK's product over and over until the exchange is done (alone: 200 times)
+  } else if (qk) {  // threads 0 .. 127: QK's product over and over until the exchange is done (alone: 200 times)
     const uint32_t a = sb + 2 * kTile, b = a + 2 * kGroupStride;
     const uint64_t da = desc_k_major(a, kRowsTile), db = desc_k_major(b, kRowsTile);
     float acc[32];
@@ -137,7 +139,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < 32; ++i) s += acc[i];
-    if (t == 160) {
+    if (threadIdx.x == 0) {
       out[blockIdx.x].qk_cycles = t1 - t0;
       out[blockIdx.x].qk_reps = s == 12345.f ? 0 : reps;  // (keeps the products)
     }
