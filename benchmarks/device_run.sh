@@ -228,8 +228,10 @@ if has micro; then  # microbenchmarks (benchmarks/micro/NAME.cu, no JAX): MICRO=
   for m in ${MICRO:-tile_exchange}; do
     stamp "micro $m"
     if build_tool /tmp/$m benchmarks/micro/$m.cu >"$OUT/micro_$m.log" 2>&1; then
-      lines=$(timeout ${MICRO_T:-120} /tmp/$m 2>&1 | tee -a "$OUT/micro.txt" | tee /dev/stderr | grep -cE '^[A-Z]+ ')
-      note "micro $m: $lines result lines"
+      result=$(timeout ${MICRO_T:-120} /tmp/$m 2>&1); rc=$?
+      echo "$result" | tee -a "$OUT/micro.txt"
+      lines=$(grep -cE '^[A-Z]+ ' <<<"$result")
+      if [[ $rc == 0 ]]; then note "micro $m: $lines result lines"; else note "micro $m FAILED (rc $rc) after $lines result lines: $(tail -1 <<<"$result")"; fi
     else
       tail -20 "$OUT/micro_$m.log"; note "micro $m: build FAILED"
     fi
