@@ -25,6 +25,7 @@ from tests.utils import (
     OUT_RTOL,
     REPO_ROOT,
     assert_lse_close,
+    assert_out_agree,
     assert_out_close,
     conformance_files,
     conformance_kwargs,
@@ -291,7 +292,11 @@ def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts, h_q):
     out, lse = _decode(**call_case, plan=plan)
     # The same kernel on a plan made for the call's lengths: a request the stale plan still
     # covers must agree with it request by request (only the split points may differ), which
-    # catches any missing or extra block however small the outputs are.
+    # catches any missing or extra block however small the outputs are. Both outputs carry their
+    # own rounding (each piece has its own running maximum), so they are held to the bound that
+    # their each meeting the spec implies (assert_out_agree): with the spec's bound itself the
+    # kernel's rounding model fails on 0.2-0.4% of seeds at 3 parts (up to 7.2e-6;
+    # benchmarks/numerics_probe.py --sweep), and the GPU did once in session 15.
     fresh_out, fresh_lse = _decode(**call_case, plan=_plan(call_case, num_parts=num_parts))
     ref_out, ref_lse = _reference(**call_case)
     out, lse, ref_out, ref_lse = _np(out), np.asarray(lse), _np(ref_out), np.asarray(ref_lse)
@@ -305,7 +310,7 @@ def test_stale_plan_gives_nan_never_a_finite_wrong_answer(fmt, num_parts, h_q):
             assert np.isnan(out[r]).all() and np.isnan(lse[r]).all(), f"request {r}: partly NaN"
             assert blocks_old[r] != blocks_new[r], f"request {r}: NaN although its block count did not move"
         else:
-            assert_out_close(out[r], fresh_out[r])
+            assert_out_agree(out[r], fresh_out[r])
             assert_lse_close(lse[r], fresh_lse[r])
             finite.append(r)
     # Against the reference, the tolerances as the spec states them: elementwise, and the cosine

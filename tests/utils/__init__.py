@@ -31,6 +31,7 @@ from tests.utils.tolerances import (
     OUT_COS_DIFF,
     OUT_RTOL,
     assert_lse_close,
+    assert_out_agree,
     assert_out_close,
     cosine_difference,
     out_of_tolerance,

@@ -79,6 +79,24 @@ def assert_out_close(actual, ref):
         )
 
 
+def assert_out_agree(actual, other):
+    """Two outputs of the op that each meet ``assert_out_close`` against the reference (the same
+    kernel on two plans: other split points, so other roundings) are held to what that implies
+    for each other, not to the reference's tolerance itself. By the triangle inequality they agree
+    within twice the elementwise bounds; the square root of the cosine difference is, to first
+    order, a distance (``sqrt(cd(a, b)) ~ |a - b| / (sqrt(2) |b|)``), so theirs is below
+    ``(2 sqrt(5e-6))^2 = 4 * 5e-6``. A missing or extra block of entries is orders of magnitude
+    beyond either bound."""
+    a, r, inf = _elementwise(actual, other, 2 * OUT_ATOL, 2 * OUT_RTOL, "out")
+    a, r = a[~inf], r[~inf]
+    cos_diff = cosine_difference(a, r)
+    if not cos_diff < 4 * OUT_COS_DIFF:
+        raise AssertionError(
+            f"out: cosine difference between the two outputs {cos_diff:.3g} >= {4 * OUT_COS_DIFF:g} "
+            f"(max |diff| {float(np.max(np.abs(a - r), initial=0.0)):.3g})"
+        )
+
+
 def assert_lse_close(actual, ref):
     """Tolerance check of ``lse``: ``|a-r| <= 1e-6`` or ``<= 8.01/65536*|r|``, infinities
     equal, NaN fails."""
