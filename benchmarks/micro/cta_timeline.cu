@@ -162,19 +162,19 @@ int main(int argc, char** argv) {
       {"producer converts and writes a block", tl::kSpanProducerStore},
   };
   for (const auto& sp : spans) {
-    std::vector<double> total, each, count;
+    std::vector<double> total, each, count, share;
     for (const auto& r : used) {
       if (r.span_count[sp.k] == 0) continue;
       total.push_back(static_cast<double>(r.span_cycles[sp.k]));
       each.push_back(static_cast<double>(r.span_cycles[sp.k]) / r.span_count[sp.k]);
       count.push_back(r.span_count[sp.k]);
+      share.push_back(static_cast<double>(r.span_cycles[sp.k]) / (r.clock[tl::kStampExit] - r.clock[tl::kStampEntry]));
     }
     print_spread(sp.what, total, us_per_cycle, "us");
     if (!each.empty()) {
-      std::sort(each.begin(), each.end());
-      std::sort(count.begin(), count.end());
-      std::printf("  %-44s %8.0f cycles each, median of %.0f a CTA\n", "", each[each.size() / 2],
-                  count[count.size() / 2]);
+      for (auto* v : {&each, &count, &share}) std::sort(v->begin(), v->end());
+      std::printf("  %-44s %8.0f cycles each, median of %.0f a CTA, %.1f%% of its life\n", "", each[each.size() / 2],
+                  count[count.size() / 2], 100.0 * share[share.size() / 2]);
     }
   }
   return 0;
