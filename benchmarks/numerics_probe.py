@@ -14,6 +14,7 @@ does not: the table says which requests and heads.
 
     python3 benchmarks/numerics_probe.py --seed 1990244600            # the stale-plan test's case
     python3 benchmarks/numerics_probe.py --seed 7 --heads 64 --parts 3
+    python3 benchmarks/numerics_probe.py --sweep 1500 --format MODEL1   # the test on the model, CPU
 
 On a machine without a GPU it runs the CPU handler (which computes in float32 with fp32
 probabilities: its error is far below the model's).
