@@ -213,11 +213,13 @@ if has harness; then  # the sanitizers on the decode kernel and the combine (san
   fi
 fi
 
-if has timeline; then  # CTA by CTA: when the 64-row kernel's CTAs start, end, and how long each phase takes
+if has timeline; then  # CTA by CTA: when the decode kernel's CTAs start, end, and how long each phase takes (128 and 16 heads)
   stamp timeline
   if build_tool /tmp/cta_timeline -DJSM_CTA_TIMELINE benchmarks/micro/cta_timeline.cu ffi/cuda/decode_launch.cu \
       >"$OUT/timeline_build.log" 2>&1; then
-    for b in ${TIMELINE_BATCHES:-1 128}; do timeout 60 /tmp/cta_timeline "$b" 128 2>&1 | tee -a "$OUT/timeline.txt"; done
+    for h in ${TIMELINE_HEADS:-128 16}; do
+      for b in ${TIMELINE_BATCHES:-1 128}; do timeout 60 /tmp/cta_timeline "$b" "$h" 2>&1 | tee -a "$OUT/timeline.txt"; done
+    done
     note "timeline: $(grep -c 'CTAs worked' "$OUT/timeline.txt") batches recorded"
   else
     tail -20 "$OUT/timeline_build.log"; note "timeline: build FAILED"

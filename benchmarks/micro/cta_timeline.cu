@@ -2,7 +2,8 @@
 // the CTAs start and end against each other (the GPU's nanosecond timer) and how long each
 // phase of a CTA takes (SM cycles). For the b = 1 question of issue #9: of the kernel's
 // ~15 us, how much is CTA work, how much launch and tail, and which phase is long. For
-// b = 128: where a block's time goes in steady state (the repeated phases, added up).
+// b = 128: where a block's time goes in steady state (the repeated phases, added up; at
+// h_q <= 16 of the few-heads kernel, which records its start, exit and spans only).
 // V32, s_q = 2, top-k 2048 of 32768 tokens a request, every index valid, the default plan
 // (33 parts: 132 SMs). Build and run (on an H200):
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DJSM_CTA_TIMELINE \
@@ -144,7 +145,8 @@ int main(int argc, char** argv) {
 
   // Steady state: each repeated phase's cycles added up per CTA (the share of the CTA's life)
   // and per occurrence.
-  std::printf("repeated phases: total a CTA (us) and cycles each time (median count a CTA):\n");
+  std::printf("repeated phases: total a CTA (us) and cycles each time (median count a CTA)%s:\n",
+              h_q <= 16 ? "; the few-heads kernel: WG0 is its one consumer (S^T, O^T), no WG1" : "");
   const struct {
     const char* what;
     tl::Span k;

@@ -1,5 +1,6 @@
 // Diagnostics, off in every shipped build: built with -DJSM_CTA_TIMELINE, each CTA of the
-// 64-row decode kernel records when it reaches a few points of its life (SM clock cycles,
+// 64-row decode kernel (of the few-heads kernel: its start, exit and spans, its consumer in
+// WG0's) records when it reaches a few points of its life (SM clock cycles,
 // and the GPU's nanosecond timer at entry and exit so that CTAs on different SMs can be
 // lined up). benchmarks/micro/cta_timeline.cu launches the kernel and reads the records.
 // Spans add up the cycles of a phase that repeats every block (a wait, a product, the

@@ -299,7 +299,10 @@ __device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int
 
     const int buf = n & 1;
     uint8_t* kt = smem + L::kK + buf * L::kTile;
+    long long span_t = span_clock();
     mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);
+    span_add(t == 0 && part == 0, kSpanProducerWaitEmpty, span_t);
+    span_t = span_clock();
 #pragma unroll
     for (int e = 0; e < kEntries; ++e) {
       store_token<F, false>(raw[e], kt, 0, 0, slot + 32 * e, q4);
@@ -307,6 +310,7 @@ __device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int
       if (lane == 0) valid_words[8 * buf + 4 * (part + e) + pw] = v;
     }
     mbar_arrive(sb + L::kFull + 8 * buf);  // (the consumers make the tile visible to wgmma)
+    span_add(t == 0 && part == 0, kSpanProducerStore, span_t);
 
     if (!has_next) break;
     has_next = c.r <= w.end_req;

@@ -134,7 +134,10 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
       await_q(kSmallBarQ);
       q_pending = false;
     }
+    long long span_t = span_clock();
     wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);
+    span_add(t == 0, kSpanQKWaitTile, span_t);
+    span_t = span_clock();
 
     // S^T = K Q^T
     float sacc[kAcc];
@@ -152,6 +155,8 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
       wgmma_wait<0>();
       pin(sacc);
     }
+    span_add(t == 0, kSpanQK, span_t);
+    span_t = span_clock();
     if (last && nx.r <= w.end_req) {  // every QK of this request is done: fetch the next Q
       load_q<F, H>(p, nx.r, s, 0, sb + L::kQ, t);
       q_pending = true;
@@ -199,6 +204,8 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
     }
     fence_proxy_async();
     named_bar_sync(kSmallBarP, kWarpgroup);
+    span_add(t == 0, kSpanSoftmax, span_t);
+    span_t = span_clock();
 
     // O^T = alpha O^T + V^T P^T, 8 tiles of 64 value dims.
     if (!first && __any_sync(0xffffffffu, [&] {
@@ -226,10 +233,12 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
       wgmma_wait<0>();
       pin(o);
     }
+    span_add(t == 0, kSpanQKPV, span_t);
     release_tile<1>(sb + L::kEmpty + 8 * buf, 0);
 
     first = last;
     if (last) {  // the piece's output: O^T / sum (with the sink), lse
+      span_t = span_clock();
       const PieceOut po = piece_out(p, w, cur.r);
       const bool stale = (po.r == w.end_req && w.stale_end) || (po.r == w.begin_req && w.stale_begin);
       reduce_columns<H, false>(l, red, warp, lane);
@@ -265,6 +274,7 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
         }
       }
       zero(o);
+      span_add(t == 0, kSpanQKPieceEnd, span_t);
     }
     if (nx.r > w.end_req) break;
     cur = nx;
@@ -277,12 +287,15 @@ __global__ void __launch_bounds__(kSmallThreads, 1) decode_kernel_small(const Pa
   extern __shared__ __align__(128) uint8_t smem[];
   const int worker = blockIdx.x;
   const int s = blockIdx.y;
+  stamp(threadIdx.x == 0, kStampEntry);
   const Work w = read_work(p, worker);
   if (w.begin_req > w.end_req) return;
+  stamp(threadIdx.x == 0, kStampWork);
 
   const uint32_t sb = smem_u32(smem);
   init_tile_barriers(sb + L::kFull, sb + L::kEmpty, kProducers * kSmallProducers, kWarpgroup / 32);
   __syncthreads();
+  stamp(threadIdx.x == 0, kStampInit);
 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
   if (wg >= 1) {
@@ -291,6 +304,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) decode_kernel_small(const Pa
   } else {
     setmaxnreg_inc<kSmallRegsConsumer>();
     consume_small<F, H>(p, w, s, sb, smem);
+    stamp(threadIdx.x == 0, kStampExit);  // (the consumer finishes last: it waits on every tile)
   }
 }
 
