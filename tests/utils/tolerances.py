@@ -66,17 +66,24 @@ def cosine_difference(a, r) -> float:
     return 0.0 if denom == 0.0 else 1.0 - 2.0 * float(np.sum(a * r)) / denom
 
 
+def _assert_out_within(actual, ref, scale):
+    """``out``'s rule with every bound scaled: elementwise ``scale`` x (atol, rtol), cosine
+    difference under ``scale^2`` x 5e-6 (float64, over the finite elements)."""
+    a, r, inf = _elementwise(actual, ref, scale * OUT_ATOL, scale * OUT_RTOL, "out")
+    a, r = a[~inf], r[~inf]
+    cos_diff = cosine_difference(a, r)
+    bound = scale * scale * OUT_COS_DIFF
+    if not cos_diff < bound:
+        raise AssertionError(
+            f"out: whole-tensor cosine difference {cos_diff:.3g} >= {bound:g} "
+            f"(max |diff| {float(np.max(np.abs(a - r), initial=0.0)):.3g})"
+        )
+
+
 def assert_out_close(actual, ref):
     """Tolerance check of ``out``: elementwise tolerance plus the whole-tensor
     ``1 - 2*sum(a*r)/sum(a^2+r^2) < 5e-6`` (float64, over the finite elements)."""
-    a, r, inf = _elementwise(actual, ref, OUT_ATOL, OUT_RTOL, "out")
-    a, r = a[~inf], r[~inf]
-    cos_diff = cosine_difference(a, r)
-    if not cos_diff < OUT_COS_DIFF:
-        raise AssertionError(
-            f"out: whole-tensor cosine difference {cos_diff:.3g} >= {OUT_COS_DIFF:g} "
-            f"(max |diff| {float(np.max(np.abs(a - r), initial=0.0)):.3g})"
-        )
+    _assert_out_within(actual, ref, 1)
 
 
 def assert_out_agree(actual, other):
@@ -87,14 +94,7 @@ def assert_out_agree(actual, other):
     order, a distance (``sqrt(cd(a, b)) ~ |a - b| / (sqrt(2) |b|)``), so theirs is below
     ``(2 sqrt(5e-6))^2 = 4 * 5e-6``. A missing or extra block of entries is orders of magnitude
     beyond either bound."""
-    a, r, inf = _elementwise(actual, other, 2 * OUT_ATOL, 2 * OUT_RTOL, "out")
-    a, r = a[~inf], r[~inf]
-    cos_diff = cosine_difference(a, r)
-    if not cos_diff < 4 * OUT_COS_DIFF:
-        raise AssertionError(
-            f"out: cosine difference between the two outputs {cos_diff:.3g} >= {4 * OUT_COS_DIFF:g} "
-            f"(max |diff| {float(np.max(np.abs(a - r), initial=0.0)):.3g})"
-        )
+    _assert_out_within(actual, other, 2)
 
 
 def assert_lse_close(actual, ref):
