@@ -214,16 +214,23 @@ if has harness; then  # the sanitizers on the decode kernel and the combine (san
 fi
 
 if has timeline; then  # CTA by CTA: when the decode kernel's CTAs start, end, and how long each phase takes (128 and 16 heads)
-  stamp timeline
-  if build_tool /tmp/cta_timeline -DJSM_CTA_TIMELINE benchmarks/micro/cta_timeline.cu ffi/cuda/decode_launch.cu \
-      >"$OUT/timeline_build.log" 2>&1; then
-    for h in ${TIMELINE_HEADS:-128 16}; do
-      for b in ${TIMELINE_BATCHES:-1 128}; do timeout 60 /tmp/cta_timeline "$b" "$h" 2>&1 | tee -a "$OUT/timeline.txt"; done
-    done
-    note "timeline: $(grep -c 'CTAs worked' "$OUT/timeline.txt") batches recorded"
-  else
-    tail -20 "$OUT/timeline_build.log"; note "timeline: build FAILED"
-  fi
+  # TIMELINE_MODES: the timing experiments to record (0 = the kernel as shipped; 1-4 as in
+  # stage diag: with a role's work taken out, which spans of the others shrink).
+  for mode in ${TIMELINE_MODES:-0}; do
+    stamp "timeline mode $mode"
+    if build_tool /tmp/cta_timeline -DJSM_CTA_TIMELINE -DJSM_TIMING_EXPERIMENT=$mode benchmarks/micro/cta_timeline.cu \
+        ffi/cuda/decode_launch.cu >"$OUT/timeline_build.log" 2>&1; then
+      for h in ${TIMELINE_HEADS:-128 16}; do
+        for b in ${TIMELINE_BATCHES:-1 128}; do
+          echo "timing experiment $mode:"
+          timeout 60 /tmp/cta_timeline "$b" "$h" 2>&1
+        done | tee -a "$OUT/timeline.txt"
+      done
+    else
+      tail -20 "$OUT/timeline_build.log"; note "timeline mode $mode: build FAILED"
+    fi
+  done
+  note "timeline: $(grep -c 'CTAs worked' "$OUT/timeline.txt") batches recorded"
 fi
 
 if has micro; then  # microbenchmarks (benchmarks/micro/NAME.cu, no JAX): MICRO="tile_exchange wgmma_chains"

@@ -476,6 +476,25 @@ __device__ __forceinline__ PieceOut piece_out(const Params& p, const Work& w, in
   return po;
 }
 
+// Head h's result for the piece that ends here, from its row sum and running maximum
+// (base 2): returns the factor its O row is scaled by (1 / sum, times the sink's share
+// when the piece is the whole request; 0 for an empty row; NaN where the worker's plan is
+// stale), and `writer` stores its lse (natural, or the base-2 partial lse for the combine).
+__device__ __forceinline__ float finish_head(const Params& p, const Work& w, const PieceOut& po, int s, int h,
+                                             float sum, float m, bool writer) {
+  const bool empty = sum == 0.f;
+  const bool stale = (po.r == w.end_req && w.stale_end) || (po.r == w.begin_req && w.stale_begin);
+  float f = stale ? NAN : (empty ? 0.f : 1.f / sum);
+  if (po.pieces == 1) {
+    const float lse_nat = stale ? NAN : (empty ? INFINITY : (log2f(sum) + m) * kLn2);
+    if (p.has_sink && !empty && h < p.h_q) f *= 1.f / (1.f + expf(p.attn_sink[po.r * p.sink_stride + h] - lse_nat));
+    if (writer && h < p.h_q) p.lse[(static_cast<int64_t>(po.r) * p.h_q + h) * p.s_q + s] = lse_nat;
+  } else if (writer && h < p.h_q && po.write) {
+    p.lse_accum[(po.slot * p.s_q + s) * p.h_q + h] = stale ? NAN : (empty ? -INFINITY : log2f(sum) + m);
+  }
+  return f;
+}
+
 // Writes a consumer's 64 x 256 half of O (columns col0 ..), rows scaled by f.
 __device__ __forceinline__ void store_o(const Params& p, const float (&o)[128], const float (&f)[2],
                                         const PieceOut& po, int s, int hg, int r0, int c, int col0) {
@@ -676,11 +695,13 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
       for (int e = 0; e < 4; ++e) pf[4 * ks + e] = pack_bf16x2(sacc[8 * ks + 2 * e], sacc[8 * ks + 2 * e + 1]);
+    span_add(t == 0, kSpanSoftmaxMath, span_t);
     if (!first) {
       const long long span_free = span_clock();
       named_bar_sync(kBarPFree, kConsumers);
       span_add(t == 0, kSpanQKWaitPFree, span_free);
     }
+    const long long span_out = span_clock();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
@@ -695,6 +716,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     }
     fence_proxy_async();
     named_bar_arrive(kBarPReady, kConsumers);
+    span_add(t == 0, kSpanSoftmaxHandOver, span_out);
     span_add(t == 0, kSpanSoftmax, span_t);
     span_t = span_clock();
 
@@ -724,18 +746,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
         float sum = l[hf] + __shfl_xor_sync(0xffffffffu, l[hf], 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         const int row = r0 + 8 * hf;
-        const int h = hg * kRows + row;
-        const bool empty = sum == 0.f;
-        const bool stale = (po.r == w.end_req && w.stale_end) || (po.r == w.begin_req && w.stale_begin);
-        f[hf] = stale ? NAN : (empty ? 0.f : 1.f / sum);
-        if (po.pieces == 1) {
-          const float lse_nat = stale ? NAN : (empty ? INFINITY : (log2f(sum) + m[hf]) * kLn2);
-          if (p.has_sink && !empty && h < p.h_q)
-            f[hf] *= 1.f / (1.f + expf(p.attn_sink[po.r * p.sink_stride + h] - lse_nat));
-          if (c == 0 && h < p.h_q) p.lse[(static_cast<int64_t>(po.r) * p.h_q + h) * p.s_q + s] = lse_nat;
-        } else if (c == 0 && h < p.h_q && po.write) {
-          p.lse_accum[(po.slot * p.s_q + s) * p.h_q + h] = stale ? NAN : (empty ? -INFINITY : log2f(sum) + m[hf]);
-        }
+        f[hf] = finish_head(p, w, po, s, hg * kRows + row, sum, m[hf], c == 0);
         if (c == 0) final_s[parity * kRows + row] = f[hf];
         m[hf] = kInitMax;
         l[hf] = 0.f;

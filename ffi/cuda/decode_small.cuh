@@ -192,6 +192,8 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
       sacc[i] = fast_exp2(fmaf(sacc[i], scale, -m[j]));
       l[j] += sacc[i];  // this thread's two rows; the 64 are summed at the end
     }
+    span_add(t == 0, kSpanSoftmaxMath, span_t);
+    const long long span_out = span_clock();
 
     // P^T (bf16) as the K-major B operand: element (head h, token k) at
     // (k / 8) * H * 16 + h * 16 + (k % 8) * 2.
@@ -204,6 +206,7 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
     }
     fence_proxy_async();
     named_bar_sync(kSmallBarP, kWarpgroup);
+    span_add(t == 0, kSpanSoftmaxHandOver, span_out);
     span_add(t == 0, kSpanSoftmax, span_t);
     span_t = span_clock();
 
@@ -240,23 +243,11 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
     if (last) {  // the piece's output: O^T / sum (with the sink), lse
       span_t = span_clock();
       const PieceOut po = piece_out(p, w, cur.r);
-      const bool stale = (po.r == w.end_req && w.stale_end) || (po.r == w.begin_req && w.stale_begin);
       reduce_columns<H, false>(l, red, warp, lane);
       float f[kCols];
 #pragma unroll
       for (int j = 0; j < kCols; ++j) {
-        const int h = 8 * (j / 2) + 2 * c + (j & 1);
-        const float sum = l[j];
-        const bool empty = sum == 0.f;
-        f[j] = stale ? NAN : (empty ? 0.f : 1.f / sum);
-        if (po.pieces == 1) {
-          const float lse_nat = stale ? NAN : (empty ? INFINITY : (log2f(sum) + m[j]) * kLn2);
-          if (p.has_sink && !empty && h < p.h_q)
-            f[j] *= 1.f / (1.f + expf(p.attn_sink[po.r * p.sink_stride + h] - lse_nat));
-          if (lane < 4 && warp == 0 && h < p.h_q) p.lse[(static_cast<int64_t>(po.r) * p.h_q + h) * p.s_q + s] = lse_nat;
-        } else if (lane < 4 && warp == 0 && h < p.h_q && po.write) {
-          p.lse_accum[(po.slot * p.s_q + s) * p.h_q + h] = stale ? NAN : (empty ? -INFINITY : log2f(sum) + m[j]);
-        }
+        f[j] = finish_head(p, w, po, s, 8 * (j / 2) + 2 * c + (j & 1), l[j], m[j], lane < 4 && warp == 0);
         m[j] = kInitMax;
         l[j] = 0.f;
       }
