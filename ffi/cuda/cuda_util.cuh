@@ -68,6 +68,18 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   return d;
 }
 
+// Bulk copy shared -> global by the copy engine (16-byte aligned addresses and size), in
+// this thread's bulk group; `bulk_wait_read` waits until the group's sources have been read
+// (the shared memory may then be reused or the CTA exit; the writes land on their own).
+__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+
 // Named barriers in their non-.aligned form: a warp may reach them not yet reconverged
 // (after a lane-0 branch, say), which the .aligned form (bar.sync) forbids.
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {

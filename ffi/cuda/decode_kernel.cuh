@@ -66,6 +66,11 @@ struct Fmt {
   static constexpr int kRopeOffset = Layout::kRopeOffset;
 };
 
+// Row pitch of O staged in shared memory (a consumer's 256 columns in bf16): a warp's
+// stores to 8 rows then fall in distinct banks (one 128-byte wavefront).
+constexpr int kStagePitch = kDimV / 2 * 2 + 16;
+static_assert(kStagePitch % 16 == 0, "bulk copies need 16-byte aligned rows");
+
 // Shared memory. Q, the two K tiles and P use the interleaved operand layout of
 // wgmma.cuh: element (row, col) at (col / 8) * 64 * 16 + row * 16 + (col % 8) * 2.
 template <KVFormat F>
@@ -82,6 +87,7 @@ struct Smem {
   static constexpr int kEmpty = kFull + 2 * 8;             // 2 mbarriers
   static constexpr int kBytes = kEmpty + 2 * 8;
   static_assert(kBytes <= 232448, "shared memory over the sm_90 per-block limit");
+  static_assert(2 * kRows * kStagePitch <= 2 * kTile, "the K tiles hold O staged");
   static_assert(kValid % 16 == 0, "valid words are read as 16-byte vectors");
 };
 
@@ -517,6 +523,46 @@ __device__ __forceinline__ void store_o(const Params& p, const float (&o)[128], 
   }
 }
 
+// store_o for a whole request's output (bf16), through shared memory at `stage` (the
+// consumer of columns col0 .. takes rows col0 / 256 x 64 ..): each warp writes its 16 rows,
+// then copies each to global memory with one bulk copy. The register stores write 16 bytes
+// of a row per instruction, half a sector; the copy engine writes whole rows. Measured
+// (NOTES, session 16): fp32 partials, which the register stores write in whole sectors,
+// came out slower this way at b = 1. For the CTA's last piece, when the K tiles are free
+// (`stage` = their start); needs a 16-byte aligned `out` (`stage_output`).
+__device__ __forceinline__ void store_o_staged(const Params& p, const float (&o)[128], const float (&f)[2],
+                                               const PieceOut& po, int s, int hg, int r0, int c, int col0,
+                                               uint8_t* stage) {
+  uint8_t* rows = stage + (col0 / 256) * kRows * kStagePitch;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    uint8_t* dst = rows + (r0 + 8 * hf) * kStagePitch + 4 * c;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<uint32_t*>(dst + 16 * j) = pack_bf16x2(o[4 * j + 2 * hf] * f[hf], o[4 * j + 2 * hf + 1] * f[hf]);
+  }
+  fence_proxy_async();  // the rows, visible to the copy engine
+  __syncwarp();
+  const int lane = threadIdx.x & 31;
+  if (lane < 16) {
+    const int row = (r0 & ~15) + lane;  // the warp's rows are 16 w .. 16 w + 15
+    const int h = hg * kRows + row;
+    if (h < p.h_q) {
+      uint16_t* dst = p.out + ((static_cast<int64_t>(po.r) * p.s_q + s) * p.h_q + h) * kDimV + col0;
+      bulk_store(dst, smem_u32(rows + row * kStagePitch), 256 * 2);
+    }
+    bulk_commit();
+    bulk_wait_read();
+  }
+}
+
+// Whether a piece's output goes out by store_o_staged: the CTA's last piece (`last_piece`:
+// no block is coming, the K tiles are free once both consumers are past the piece-end
+// barrier), a whole request's, into a 16-byte aligned `out`.
+__device__ __forceinline__ bool stage_output(const Params& p, const PieceOut& po, bool last_piece) {
+  return last_piece && po.write && po.pieces == 1 && (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
+}
+
 // O rows scaled by their alpha; skipped by a warp whose rows all keep their maximum
 // (alpha exactly 1: the product would change nothing).
 __device__ __forceinline__ void rescale_o(float (&o)[128], float a0, float a1) {
@@ -751,9 +797,13 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
         m[hf] = kInitMax;
         l[hf] = 0.f;
       }
-      named_bar_sync(kBarPieceEnd, kConsumers);
+      named_bar_sync(kBarPieceEnd, kConsumers);  // (past it, both consumers are done with every tile)
       stamp(t == 0, kStampStoreQK);
-      store_o(p, o, f, po, s, hg, r0, c, 0);
+      if (stage_output(p, po, nx.r > w.end_req)) {
+        store_o_staged(p, o, f, po, s, hg, r0, c, 0, smem + L::kK);
+      } else {
+        store_o(p, o, f, po, s, hg, r0, c, 0);
+      }
       stamp(t == 0, kStampStoredQK);
       span_add(t == 0, kSpanQKPieceEnd, span_t);
       zero(o);
@@ -819,7 +869,11 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
       named_bar_sync(kBarPieceEnd, kConsumers);
       const float f[2] = {final_s[parity * kRows + r0], final_s[parity * kRows + r0 + 8]};
       stamp(t == 0, kStampStorePV);
-      store_o(p, o, f, po, s, hg, r0, c, 256);
+      if (stage_output(p, po, nx.r > w.end_req)) {
+        store_o_staged(p, o, f, po, s, hg, r0, c, 256, smem + L::kK);
+      } else {
+        store_o(p, o, f, po, s, hg, r0, c, 256);
+      }
       stamp(t == 0, kStampStoredPV);
       span_add(t == 0, kSpanPVPieceEnd, span_t);
       zero(o);
