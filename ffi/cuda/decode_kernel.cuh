@@ -45,8 +45,8 @@ constexpr int kProducers = 128;
 // of 8), so the three counts sum to at most 3 * 168 = 504 (`.inc` waits for registers the
 // others released). ptxas allocates each role's code within its own count.
 constexpr int kRegsQK = 192;
-constexpr int kRegsPV = 160;
-constexpr int kRegsProducer = 152;
+constexpr int kRegsPV = 176;  // O (128) and P's A fragments (16) for an RS product
+constexpr int kRegsProducer = 136;
 // Named barriers (0 is __syncthreads).
 constexpr int kBarPReady = 1;    // WG0 -> WG1: P and alpha of this block are in smem
 constexpr int kBarPFree = 2;     // WG1 -> WG0: done reading them
@@ -642,7 +642,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
   const int r0 = 16 * (t >> 5) + (lane >> 2);  // this thread's rows: r0, r0 + 8
   float* alpha_s = reinterpret_cast<float*>(smem + L::kAlpha);
   float* final_s = reinterpret_cast<float*>(smem + L::kFinal);
-  uint8_t* p_s = smem + L::kP;
+  uint4* p_frag = reinterpret_cast<uint4*>(smem + L::kP);  // P's A fragments for WG1
   const float scale = p.scale_log2;
 
   Cursor cur;
@@ -748,19 +748,16 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
       span_add(t == 0, kSpanQKWaitPFree, span_free);
     }
     const long long span_out = span_clock();
+    // WG1's thread t needs the same A fragments as this thread t: they go over as they are,
+    // k-step major (a warp's 16-byte stores, and WG1's loads, are contiguous). WG1 loads them
+    // into registers, so no async-proxy read of P and no proxy fence here.
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int grp = 2 * ks + (e >> 1);  // entries 8 grp .. 8 grp + 7
-        const int row = r0 + 8 * (e & 1);
-        *reinterpret_cast<uint32_t*>(p_s + grp * L::kGroupStride + row * 16 + 4 * c) = pf[4 * ks + e];
-      }
+      p_frag[ks * kWarpgroup + t] = make_uint4(pf[4 * ks], pf[4 * ks + 1], pf[4 * ks + 2], pf[4 * ks + 3]);
     if (c == 0) {
       alpha_s[r0] = alpha[0];
       alpha_s[r0 + 8] = alpha[1];
     }
-    fence_proxy_async();
     named_bar_arrive(kBarPReady, kConsumers);
     span_add(t == 0, kSpanSoftmaxHandOver, span_out);
     span_add(t == 0, kSpanSoftmax, span_t);
@@ -823,6 +820,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
   const int c = lane & 3;
   const int r0 = 16 * (t >> 5) + (lane >> 2);
   const float* alpha_s = reinterpret_cast<const float*>(smem + L::kAlpha);
+  const uint4* p_frag = reinterpret_cast<const uint4*>(smem + L::kP);  // WG0's A fragments of P
   const float* final_s = reinterpret_cast<const float*>(smem + L::kFinal);
 
   Cursor cur;
@@ -843,27 +841,36 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
     named_bar_sync(kBarPReady, kConsumers);
     span_add(t == 0, kSpanPVWaitP, span_t);
     span_t = span_clock();
+    // P (WG0's A fragments of this thread's rows) and alpha into registers; WG0 may then
+    // write the next block's at once.
+    uint32_t pf[16];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint4 v = p_frag[ks * kWarpgroup + t];
+      pf[4 * ks] = v.x;
+      pf[4 * ks + 1] = v.y;
+      pf[4 * ks + 2] = v.z;
+      pf[4 * ks + 3] = v.w;
+    }
+    const float alpha0 = alpha_s[r0], alpha1 = alpha_s[r0 + 8];
+    if (!last) named_bar_arrive(kBarPFree, kConsumers);
     wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);  // (already complete: makes K visible here too)
-    rescale_o(o, alpha_s[r0], alpha_s[r0 + 8]);
+    rescale_o(o, alpha0, alpha1);
     if (!kSkipMma) {
       pin(o);
       wgmma_fence();
-      const uint64_t dp_ = desc_k_major(sb + L::kP, kRows);
       const uint64_t dv = desc_n_major(k_s + 32 * L::kGroupStride, kTokens);  // value columns 256..511
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        wgmma_m64n256k16_ss_tb(o, dp_ + static_cast<uint64_t>(ks * 2 * L::kGroupStride / 16),
-                               dv + static_cast<uint64_t>(ks * 16));
+      for (int ks = 0; ks < 4; ++ks) wgmma_m64n256k16_rs_tb(o, pf + 4 * ks, dv + static_cast<uint64_t>(ks * 16));
       wgmma_commit();
       wgmma_wait<0>();
       pin(o);
+      pin(pf);
     }
     span_add(t == 0, kSpanPV, span_t);
     release_tile<kCluster>(sb + L::kEmpty + 8 * buf, peer + L::kEmpty + 8 * buf);
 
-    if (!last) {
-      named_bar_arrive(kBarPFree, kConsumers);
-    } else {
+    if (last) {
       span_t = span_clock();
       const PieceOut po = piece_out(p, w, cur.r);
       named_bar_sync(kBarPieceEnd, kConsumers);
@@ -927,7 +934,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
     consume_qk<F, kCluster>(p, w, s, hg, sb, peer, smem);
     stamp(threadIdx.x == 0, kStampQKDone);
   } else {
-    setmaxnreg_dec<kRegsPV>();
+    setmaxnreg_inc<kRegsPV>();  // (above the launch's 168)
     consume_pv<F, kCluster>(p, w, s, hg, sb, peer, smem);
     stamp(threadIdx.x == kWarpgroup, kStampPVDone);
   }
