@@ -9,13 +9,17 @@
 //     the stores: later blocks' bytes are requested into registers or L2 and their
 //     indices loaded before the current block is dequantized.
 //   warpgroup 0: S = Q K^T (wgmma, both from smem), online softmax in base 2, P rounded
-//     to bf16 (registers and smem), O[:, 0:256] = alpha O + P V with P from registers.
-//   warpgroup 1: O[:, 256:512] = alpha O + P V with P and alpha from smem.
+//     to bf16 (its A fragments: in registers, and a copy in smem for WG1),
+//     O[:, 0:256] = alpha O + P V with P from registers.
+//   warpgroup 1: loads WG0's fragments of P and alpha into registers (freeing them for
+//     the next block at once), then O[:, 256:512] = alpha O + P V with P from registers.
 //   Each consumer warp arrives on the buffer's `empty` mbarrier once its MMAs have read
 //   it; after waiting on `full` the consumers fence the proxy (the producer writes with
 //   ordinary stores, wgmma reads through the async proxy).
 // At the end of a request's piece both consumers write their half of the output
-// columns: out/lse (one piece) or the fp32 partials for the combine pass.
+// columns: out/lse (one piece) or the fp32 partials for the combine pass; a whole
+// request's output in the CTA's last piece goes through the then free K tiles and out by
+// bulk copies (store_o_staged).
 // Invalid entries are never read: their rows are zeros and their logits -inf.
 //
 // With two or more head groups the CTAs of head groups 2i and 2i + 1 (same worker, same
