@@ -126,7 +126,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
     float acc[32];
     int reps = 0;
     const long long t0 = clock64();
-    while (mode == 0 ? reps < 200 : !exchange_done) {
+    // (bounded: a producer that never finishes ends as a wrong figure, not as a hang)
+    while (mode == 0 ? reps < 200 : !exchange_done && reps < (1 << 16)) {
       wgmma_fence();
       wgmma_m64n64k16_ss_first(acc, da, db);
 #pragma unroll
@@ -148,6 +149,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
 }
 
 int main() {
+  // Line by line: a case that hangs (the device stage's timeout kills the process) must not
+  // take the lines of the cases before it along (session 16 got none).
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const int ctas = sms / 2 * 2;
@@ -168,6 +172,7 @@ int main() {
                {"no writes, QK alone", 0, true}};
   for (const auto& c : cases) {
     cudaMemset(out, 0, ctas * sizeof(Result));
+    std::printf("(case: %s)\n", c.name);
     exchange_kernel<<<ctas, kThreads, kSmem>>>(c.mode, c.qk, out);
     if (cudaDeviceSynchronize() != cudaSuccess) {
       std::printf("%s: %s\n", c.name, cudaGetErrorString(cudaGetLastError()));
