@@ -205,9 +205,15 @@ if has harness; then  # the sanitizers on the decode kernel and the combine (san
   if build_tool /tmp/decode_harness benchmarks/sanitizer_repro/decode_harness.cu ffi/cuda/decode_launch.cu ffi/cuda/combine.cu \
       >"$OUT/harness_build.log" 2>&1; then
     for tool in memcheck racecheck synccheck; do
-      timeout ${HARNESS_T:-120} compute-sanitizer --tool $tool --print-limit 20 /tmp/decode_harness >"$OUT/harness_$tool.log" 2>&1
+      timeout ${HARNESS_T:-120} compute-sanitizer --tool $tool --print-limit ${HARNESS_PRINT_LIMIT:-200} /tmp/decode_harness \
+        >"$OUT/harness_$tool.log" 2>&1
       note "harness $tool (rc $?): $(grep -E 'HARNESS|ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/harness_$tool.log" | tr '\n' ' ')"
     done
+    # Every racecheck report as its pair of sites (kernel + offset), counted: each pair should
+    # be a known hand-off (NOTES.md names them by offset, from a local build's SASS).
+    sed -E 's/^========= +//' "$OUT/harness_racecheck.log" | grep -A1 '^Error: Race reported' | \
+      grep -oE '(Read|Write) access at .*\+0x[0-9a-f]+' | sed -E 's/access at void jsm::cuda::([a-z_]+)<\(jsm::KVFormat\)([0-9]), \(int\)([0-9]), \(bool\)([0-9])>\(jsm::cuda::Params\)/\1<\2,\3,\4>/' | \
+      paste - - | sort | uniq -c | sed 's/^/RACE PAIR /'
   else
     tail -20 "$OUT/harness_build.log"; note "harness: build FAILED"
   fi
