@@ -51,6 +51,19 @@ constexpr int kProducers = 128;
 constexpr int kRegsQK = 192;
 constexpr int kRegsPV = 176;  // O (128) and P's A fragments (16) for an RS product
 constexpr int kRegsProducer = 136;
+constexpr int kRegsLaunch = 168;
+static_assert(kRegsQK + kRegsPV + kRegsProducer <= 3 * kRegsLaunch, "setmaxnreg counts over the launch's registers");
+
+// This warpgroup's registers to N: `.inc` above the launch's count, `.dec` below (the
+// other way round is an illegal instruction).
+template <int N>
+__device__ __forceinline__ void set_registers() {
+  if constexpr (N > kRegsLaunch) {
+    setmaxnreg_inc<N>();
+  } else if constexpr (N < kRegsLaunch) {
+    setmaxnreg_dec<N>();
+  }
+}
 // Named barriers (0 is __syncthreads).
 constexpr int kBarPReady = 1;    // WG0 -> WG1: P and alpha of this block are in smem
 constexpr int kBarPFree = 2;     // WG1 -> WG0: done reading them
@@ -926,7 +939,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
   if (wg >= 2) {
-    setmaxnreg_dec<kRegsProducer>();
+    set_registers<kRegsProducer>();
     if (kCluster > 1) {
       produce_pair<F, kAligned>(p, w, s, sb, peer, smem);
     } else {
@@ -934,11 +947,11 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
     }
     stamp(threadIdx.x == kConsumers, kStampProducerDone);
   } else if (wg == 0) {
-    setmaxnreg_inc<kRegsQK>();
+    set_registers<kRegsQK>();
     consume_qk<F, kCluster>(p, w, s, hg, sb, peer, smem);
     stamp(threadIdx.x == 0, kStampQKDone);
   } else {
-    setmaxnreg_inc<kRegsPV>();  // (above the launch's 168)
+    set_registers<kRegsPV>();
     consume_pv<F, kCluster>(p, w, s, hg, sb, peer, smem);
     stamp(threadIdx.x == kWarpgroup, kStampPVDone);
   }
