@@ -156,7 +156,7 @@ int main(int argc, char** argv) {
       {"WG0 softmax, P handed over", tl::kSpanSoftmax},
       {"  of it: mask, max, exp, sums, packing", tl::kSpanSoftmaxMath},
       {"  of it: waiting for WG1 to free P", tl::kSpanQKWaitPFree},
-      {"  of it: P stores, fence, arrive", tl::kSpanSoftmaxHandOver},
+      {"  of it: P stores (few-heads: + fence), arrive", tl::kSpanSoftmaxHandOver},
       {"WG0 P V (its half)", tl::kSpanQKPV},
       {"WG0 piece end (sums, stores)", tl::kSpanQKPieceEnd},
       {"WG1 waits for P", tl::kSpanPVWaitP},

@@ -42,7 +42,7 @@ enum Span {
   kSpanSoftmax,         //   QK done -> P handed to WG1 (includes kSpanQKWaitPFree)
   kSpanQKWaitPFree,     //   waiting for WG1 to be done with the last block's P
   kSpanSoftmaxMath,     //   of the softmax: mask, maxima, exponentials, sums, bf16 packing
-  kSpanSoftmaxHandOver, //   of the softmax: P and alpha stores, proxy fence, arrive
+  kSpanSoftmaxHandOver, //   of the softmax: P and alpha stores (few-heads: proxy fence), arrive
   kSpanQKPV,            //   P handed -> its half of P V complete (rescale included)
   kSpanQKPieceEnd,      //   a piece's end: sums, lse, barrier, output stores issued
   kSpanPVWaitP,         // WG1: waiting for WG0's P
