@@ -518,6 +518,12 @@ __device__ __forceinline__ float finish_head(const Params& p, const Work& w, con
   return f;
 }
 
+// Output columns 8 j + 2 c and 8 j + 2 c + 1 of a consumer's row half hf (row r0 + 8 hf),
+// scaled by its factor, as the bf16 pair written to `out`.
+__device__ __forceinline__ uint32_t out_pair_bf16(const float (&o)[128], const float (&f)[2], int hf, int j) {
+  return pack_bf16x2(o[4 * j + 2 * hf] * f[hf], o[4 * j + 2 * hf + 1] * f[hf]);
+}
+
 // Writes a consumer's 64 x 256 half of O (columns col0 ..), rows scaled by f.
 __device__ __forceinline__ void store_o(const Params& p, const float (&o)[128], const float (&f)[2],
                                         const PieceOut& po, int s, int hg, int r0, int c, int col0) {
@@ -530,7 +536,7 @@ __device__ __forceinline__ void store_o(const Params& p, const float (&o)[128], 
       uint16_t* dst = p.out + ((static_cast<int64_t>(po.r) * p.s_q + s) * p.h_q + h) * kDimV + col0 + 2 * c;
 #pragma unroll
       for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack_bf16x2(o[4 * j + 2 * hf] * f[hf], o[4 * j + 2 * hf + 1] * f[hf]);
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) = out_pair_bf16(o, f, hf, j);
     } else {
       float* dst = p.out_accum + ((po.slot * p.s_q + s) * p.h_q + h) * kDimV + col0 + 2 * c;
 #pragma unroll
@@ -550,13 +556,12 @@ __device__ __forceinline__ void store_o(const Params& p, const float (&o)[128], 
 __device__ __forceinline__ void store_o_staged(const Params& p, const float (&o)[128], const float (&f)[2],
                                                const PieceOut& po, int s, int hg, int r0, int c, int col0,
                                                uint8_t* stage) {
-  uint8_t* rows = stage + (col0 / 256) * kRows * kStagePitch;
+  uint8_t* rows = stage + col0 / (kDimV / 2) * kRows * kStagePitch;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     uint8_t* dst = rows + (r0 + 8 * hf) * kStagePitch + 4 * c;
 #pragma unroll
-    for (int j = 0; j < 32; ++j)
-      *reinterpret_cast<uint32_t*>(dst + 16 * j) = pack_bf16x2(o[4 * j + 2 * hf] * f[hf], o[4 * j + 2 * hf + 1] * f[hf]);
+    for (int j = 0; j < 32; ++j) *reinterpret_cast<uint32_t*>(dst + 16 * j) = out_pair_bf16(o, f, hf, j);
   }
   fence_proxy_async();  // the rows, visible to the copy engine
   __syncwarp();
@@ -566,7 +571,7 @@ __device__ __forceinline__ void store_o_staged(const Params& p, const float (&o)
     const int h = hg * kRows + row;
     if (h < p.h_q) {
       uint16_t* dst = p.out + ((static_cast<int64_t>(po.r) * p.s_q + s) * p.h_q + h) * kDimV + col0;
-      bulk_store(dst, smem_u32(rows + row * kStagePitch), 256 * 2);
+      bulk_store(dst, smem_u32(rows + row * kStagePitch), kDimV / 2 * 2);
     }
     bulk_commit();
     bulk_wait_read();
