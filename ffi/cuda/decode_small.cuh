@@ -137,6 +137,9 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
     long long span_t = span_clock();
     wait_full(sb + L::kFull + 8 * buf, (n >> 1) & 1);
     span_add(t == 0, kSpanQKWaitTile, span_t);
+    // The block's validity bits, read before QK so that their load (behind the tile writes
+    // in the shared-memory queue) overlaps the product rather than starting the softmax.
+    const uint64_t valid = block_valid_mask(smem + L::kValid + 32 * buf);
     span_t = span_clock();
 
     // S^T = K Q^T
@@ -163,7 +166,6 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
     }
 
     // Softmax over the 64 tokens of each head (column). Invalid entries get -inf.
-    const uint64_t valid = block_valid_mask(smem + L::kValid + 32 * buf);
     if (~valid != 0) {
       const bool v0 = (valid >> r0) & 1, v1 = (valid >> (r0 + 8)) & 1;
 #pragma unroll
