@@ -75,7 +75,9 @@ if has pytest; then  # PYTEST_RUNS times in a row, each with fresh random seeds
     # A failure's seed and assertion on stdout: the log itself may not come back (the device
     # returns a limited number of files), and a fresh seed is only known from it.
     grep -E "^(E  |_{3,} test|seed=)" "$OUT/pytest_$run.log" | head -${PYTEST_FAIL_LINES:-40}
-    note "pytest run $run: $(grep -E '(passed|failed|error)' "$OUT/pytest_$run.log" | tail -1)"
+    # No summary line (a -q in PYTEST_ARGS makes -qq, which drops it; or a crash): say so.
+    summary=$(grep -E '(passed|failed|error)' "$OUT/pytest_$run.log" | tail -1)
+    note "pytest run $run: ${summary:-NO SUMMARY LINE: $(tail -2 "$OUT/pytest_$run.log" | tr '\n' ' ')}"
   done
 fi
 

@@ -545,9 +545,10 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int c) {
 
 // Writes a consumer's 64 x 256 half of O (columns col0 ..), rows scaled by f. A thread holds
 // 2 of every 8 columns of its rows; quad_transpose gives it 8 whole columns of every 4th
-// group instead, so that each bf16 store writes 16 contiguous bytes rather than 4. The fp32
-// partials keep their 8-byte stores: transposing them too (two transposes a group) measured
-// 2.6 us slower at b = 1, where every piece is a partial.
+// group instead, so that a quad's bf16 store writes 64 contiguous bytes (two whole 32-byte
+// sectors) rather than 16 (half of one). The fp32 partials keep their 8-byte stores, which
+// already fill a sector a quad; a transposed version (32 bytes a thread, as two 16-byte halves)
+// measured 2.6 us slower at b = 1, where every piece is a partial.
 __device__ __forceinline__ void store_o(const Params& p, const float (&o)[128], const float (&f)[2],
                                         const PieceOut& po, int s, int hg, int r0, int c, int col0) {
   if (!po.write) return;
