@@ -146,12 +146,16 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
   ncu_pages() {  # report, file prefix in $OUT
     ncu -i "$1" --page details >"$OUT/$2_details.txt" 2>&1
     ncu -i "$1" --page source --print-source sass --csv >"$OUT/$2_source.csv" 2>&1
+    # Per-pipe instruction rates (ComputeWorkloadAnalysis collects them): whether the
+    # producers' conversions and the softmax's MUFU.EX2 share a saturated pipe (xu).
+    ncu -i "$1" --page raw 2>&1 | grep -E "sm__(inst_executed_pipe|pipe)_[a-z_0-9]+" | sed -E 's/ +/ /g' >"$OUT/$2_pipes.txt"
   }
   timeout ${NCU_T:-240} "${ncu_one[@]}" -k regex:decode_kernel -o /tmp/prof \
     python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
     --iters $(( NCU_SKIP > 0 ? 3 : 1 )) >"$OUT/ncu.log" 2>&1
   ncu_pages /tmp/prof.ncu-rep ncu
   note "ncu: $(wc -l <"$OUT/ncu_details.txt") detail lines, $(wc -l <"$OUT/ncu_source.csv") source lines"
+  grep -E "pct_of_peak_sustained_active" "$OUT/ncu_pipes.txt" | head -${NCU_PIPE_LINES:-30}
   # Which unit of L1/TEX and of the whole memory system is the busiest, and the L1 tables
   # (wavefronts by kind): a second launch, so that a metric the tool rejects costs only this.
   timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel -c 1 \
