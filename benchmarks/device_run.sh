@@ -55,7 +55,7 @@ if has build; then
   # $OUT, and the same SASS can be had here from a local nvcc -cubin build).
   cuobjdump -sass "$lib" >/tmp/sass_full.txt 2>&1
   grep -E "LDL|STL" "$OUT/sass.txt" && note "SASS has local memory traffic"
-  # ptxas's C7511 / C7514 (serialized wgmma) leave a wait after every HGMMA of the kernel.
+  # ptxas's C7511 / C7512 / C7514 (serialized wgmma) leave a wait after every HGMMA of the kernel.
   while read -r k; do note "wgmma SERIALIZED (a wait after every HGMMA): $k"; done < <(awk \
     '/Function :/{f=$3} /HGMMA/{h[f]++} /WARPGROUP.DEPBAR/{d[f]++} END{for (k in h) if (2 * d[k] >= h[k]) print k}' \
     /tmp/sass_full.txt)

@@ -31,6 +31,7 @@ from tests.utils.tolerances import (
     OUT_COS_DIFF,
     OUT_RTOL,
     assert_lse_close,
+    assert_lse_shifted,
     assert_out_agree,
     assert_out_close,
     cosine_difference,
