@@ -51,7 +51,7 @@ def test_decode_harness_builds(tmp_path, program, kernels, flags):
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
-@pytest.mark.parametrize("name", ["tile_exchange", "wgmma_chains"])
+@pytest.mark.parametrize("name", ["tile_exchange", "wgmma_chains", "convert_rs"])
 def test_microbenchmark_builds(tmp_path, name):
     # The microbenchmarks device_run.sh's stage `micro` runs, against the kernels' headers.
     done = _builds(tmp_path, [f"benchmarks/micro/{name}.cu"])
