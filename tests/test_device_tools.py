@@ -2,8 +2,9 @@
 runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, the CTA
 timeline program, the microbenchmarks, the minimal kernels that reproduce racecheck's reports
 (named-barrier and mbarrier hand-offs); the parser that turns an ncu log into our kernel time
-per call (benchmarks/kernel_times.py); and the NumPy model of the 16-head kernel's rounding
-(benchmarks/numerics_probe.py)."""
+per call (benchmarks/kernel_times.py); the NumPy model of the 16-head kernel's rounding
+(benchmarks/numerics_probe.py); and the one of the f16-product variant's
+(benchmarks/emulate_f16_products.py)."""
 
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 import numpy as np
 
 import jax_sparse_mla as jsm
+from benchmarks import emulate_f16_products
 from benchmarks.kernel_times import kernel_medians
 from benchmarks.numerics_probe import model_decode, stale_plan_case, stale_plan_in_the_model
 from tests.utils import assert_out_close, cosine_difference, fresh_rng
@@ -134,3 +136,10 @@ def test_stale_plan_rule_in_the_model(fmt, seed):
     assert 5e-6 <= pair < 2e-5
     rules = {rule for rule, _ in failures}
     assert "spec" in rules and "agree" not in rules and "reference" not in rules
+
+
+def test_f16_products_model_meets_the_tolerances():
+    # The f16-product variant (benchmarks/patches/small_rs5.patch) skips the bf16 rule's
+    # rounding of K and V where scales are not powers of two: in its NumPy model the test of
+    # such scales still holds (session 20: 50 seeds, lse within 5.2% of its tolerance).
+    assert emulate_f16_products.main(["--seeds", "0:3"]) == 0

@@ -381,10 +381,10 @@ def test_nan_code_in_a_valid_entry_poisons_its_row(fmt):
     assert np.isnan(np.asarray(lse)).any()
 
 
-def v32_scales_case(rng):
-    """The inputs of test_non_power_of_two_v32_scales (benchmarks/emulate_v32_scales.py replays
-    them through a NumPy model of the kernel's arithmetic)."""
-    case = make_case(rng, V32, b=2, s_q=2, h_q=64, topk=128, page_size=64, num_blocks=4, invalid_fraction=0.0)
+def v32_scales_case(rng, h_q=64):
+    """The inputs of test_non_power_of_two_v32_scales (benchmarks/emulate_v32_scales.py and
+    emulate_f16_products.py replay them through NumPy models of kernels' arithmetic)."""
+    case = make_case(rng, V32, b=2, s_q=2, h_q=h_q, topk=128, page_size=64, num_blocks=4, invalid_fraction=0.0)
     kv = np.asarray(case["kv_cache"]).copy()
     rows = kv.reshape(-1, 656)
     scales = rows[:, 512:528].copy().view("<f4")
