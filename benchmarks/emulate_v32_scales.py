@@ -62,8 +62,9 @@ def dot_f32(q, keys, model):
     return acc.astype(F32)
 
 
-def _piece(x, values):
-    """One split piece over entries x [n, h] (base-2 logits): (o / l [h, 512], lse2 [h]), fp32."""
+def _piece(x, values, p_type=BF16):
+    """One split piece over entries x [n, h] (base-2 logits): (o / l [h, 512], lse2 [h]), fp32;
+    P rounded to `p_type` before P V."""
     h = x.shape[1]
     m, l, o = np.full(h, -np.inf, F32), np.zeros(h, F32), np.zeros((h, values.shape[1]), F32)
     for b0 in range(0, x.shape[0], 64):
@@ -72,13 +73,14 @@ def _piece(x, values):
         alpha = np.exp2((m - m_new).astype(np.float64)).astype(F32)
         p = np.exp2((xb - m_new).astype(F32).astype(np.float64)).astype(F32)
         l = (l * alpha + p.astype(np.float64).sum(axis=0)).astype(F32)
-        pv = p.astype(BF16).astype(np.float64).T @ values[b0:b0 + 64].astype(np.float64)
+        pv = p.astype(p_type).astype(np.float64).T @ values[b0:b0 + 64].astype(np.float64)
         o = (o.astype(np.float64) * alpha[:, None] + pv).astype(F32)
         m = m_new
     return (o * (F32(1) / l)[:, None]).astype(F32), (np.log2(l.astype(np.float64)).astype(F32) + m).astype(F32)
 
 
 def _combine(pieces):
+    """combine.cu's merge of split pieces: (out [h, 512], lse2 [h]), fp32."""
     lse = np.stack([p[1] for p in pieces])
     mx = lse.max(axis=0)
     total = np.exp2((lse - mx).astype(F32).astype(np.float64)).astype(F32).sum(axis=0, dtype=F32)
@@ -87,7 +89,14 @@ def _combine(pieces):
     for acc, lk in pieces:
         w = np.exp2((lk - g).astype(F32).astype(np.float64)).astype(F32)
         out = (out + w[:, None] * acc).astype(F32)
-    return out
+    return out, g
+
+
+def decode_pieces(x, values, p_type=BF16):
+    """A row's decode over its entries x [n, h] (base-2 logits), one split piece per 64 entries
+    (the H200 plan of the test's shape): (out [h, 512], lse2 [h]) before the bf16 output."""
+    pieces = [_piece(x[p0:p0 + 64], values[p0:p0 + 64], p_type) for p0 in range(0, x.shape[0], 64)]
+    return _combine(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def _rows(case):
@@ -104,8 +113,7 @@ def kernel_out(case, model):
     out = np.zeros(case["q"].shape[:3] + (512,))
     for i, s, q, keys in _rows(case):
         x = (dot_f32(q, keys, model) * c2).astype(F32)
-        pieces = [_piece(x[p0:p0 + 64], keys[p0:p0 + 64, :512]) for p0 in range(0, keys.shape[0], 64)]
-        out[i, s] = (_combine(pieces) if len(pieces) > 1 else pieces[0][0]).astype(BF16)
+        out[i, s] = decode_pieces(x, keys[:, :512])[0].astype(BF16)
     return out
 
 

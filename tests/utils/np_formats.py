@@ -77,8 +77,9 @@ def np_quantize_kv(k, fmt) -> np.ndarray:
     return np_rows_to_cache(np_quantize_tokens(k, fmt), fmt)
 
 
-def np_dequantize_tokens(rows, fmt) -> np.ndarray:
-    """Token rows -> bf16 keys: ``bf16(float(code) * float(bf16(scale)))``, RoPE copied."""
+def np_token_fields(rows, fmt):
+    """Token rows -> (codes as float32 ``[..., tiles, tile]``, float(bf16(scale)) ``[..., tiles]``,
+    RoPE bf16 ``[..., d_qk - d_nope]``): the parts the dequantization rule combines."""
     name = fmt_name(fmt)
     d_qk, d_nope, tile, nbytes = LAYOUT[name]
     rows = np.asarray(rows).view(np.uint8)
@@ -94,9 +95,15 @@ def np_dequantize_tokens(rows, fmt) -> np.ndarray:
             scale = np.where(e == 255, np.nan, np.ldexp(1.0, e - 127)).astype(np.float32)
         rope = rows[..., 448:576]
     scale = scale.astype(BF16).astype(np.float32)
-    with np.errstate(invalid="ignore", over="ignore"):
-        nope = (codes * scale[..., None]).astype(BF16).reshape(*lead, d_nope)
     rope = np.ascontiguousarray(rope).view("<u2").astype(np.uint16).view(BF16)
+    return codes, scale, rope
+
+
+def np_dequantize_tokens(rows, fmt) -> np.ndarray:
+    """Token rows -> bf16 keys: ``bf16(float(code) * float(bf16(scale)))``, RoPE copied."""
+    codes, scale, rope = np_token_fields(rows, fmt)
+    with np.errstate(invalid="ignore", over="ignore"):
+        nope = (codes * scale[..., None]).astype(BF16).reshape(*codes.shape[:-2], -1)
     return np.concatenate([nope, rope], axis=-1)
 
 
