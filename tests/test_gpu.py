@@ -426,10 +426,12 @@ def v32_scales_bound(case, ref_out, *, logit_errors=True):
         return bound + np.where(dispersion > 0, 2.0 * np.expm1(2.0 * eps) * dispersion, 0.0)
 
 
-def test_non_power_of_two_v32_scales():
+@pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
+def test_non_power_of_two_v32_scales(h_q):
     """V32 readers accept any float32 scale (rounded to bf16 first), huge and tiny ones too (the
-    2^20 factor keeps bf16(scale) >= 2^8 after softening: the kernel's two-multiply path)."""
-    case = _on(v32_scales_case(fresh_rng()), GPU)
+    2^20 factor keeps bf16(scale) >= 2^8 after softening: the kernel's two-multiply path); 16
+    heads run the few-heads kernel."""
+    case = _on(v32_scales_case(fresh_rng(), h_q), GPU)
     out, lse = _decode(**case)
     ref_out, ref_lse = _reference(**case)
     assert_lse_close(np.asarray(lse), np.asarray(ref_lse))

@@ -4,6 +4,7 @@
 
 #include "cuda/decode_kernel.cuh"
 #include "cuda/decode_small.cuh"
+#include "cuda/decode_small_rs.cuh"
 
 namespace jsm {
 namespace cuda {
@@ -42,6 +43,10 @@ ffi::Error allow_smem(Kernel kernel, int bytes) {
 
 template <KVFormat F>
 ffi::Error set_up_device(DeviceSetup& d) {
+  if constexpr (F == KVFormat::kV32) {
+    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kSmallHeads, false>, SmemRs<F, kSmallHeads>::kBytes));
+    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kSmallHeads, true>, SmemRs<F, kSmallHeads>::kBytes));
+  }
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_small<F, kSmallHeads, false>, SmemSmall<F, kSmallHeads>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_small<F, kSmallHeads, true>, SmemSmall<F, kSmallHeads>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 1, false>, Smem<F>::kBytes));
@@ -68,6 +73,11 @@ bool use_small_kernel(const DecodeProblem& dp) { return dp.h_q <= kSmallHeads &&
 template <KVFormat F, bool kAligned>
 ffi::Error launch_variant(const DecodeProblem& dp, const Params& p, bool pairs, cudaStream_t stream) {
   if (use_small_kernel(dp)) {
+    if constexpr (F == KVFormat::kV32) {
+      decode_kernel_rs<F, kSmallHeads, kAligned>
+          <<<dim3(dp.num_parts, dp.s_q, 1), kRsThreads, SmemRs<F, kSmallHeads>::kBytes, stream>>>(p);
+      return check_launch("decode_kernel_rs");
+    }
     decode_kernel_small<F, kSmallHeads, kAligned>
         <<<dim3(dp.num_parts, dp.s_q, 1), kSmallThreads, SmemSmall<F, kSmallHeads>::kBytes, stream>>>(p);
     return check_launch("decode_kernel_small");

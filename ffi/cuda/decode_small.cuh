@@ -51,7 +51,8 @@ struct SmemSmall {
 // H/4 columns (heads 8 (j / 2) + 2 c + j % 2) over its two token rows; the result is the
 // reduction over all 64 rows, for the same columns. Lanes of one c share columns.
 template <int H, bool kMax>
-__device__ __forceinline__ void reduce_columns(float (&v)[H / 4], float* red, int warp, int lane) {
+__device__ __forceinline__ void reduce_columns(float (&v)[H / 4], float* red, int warp, int lane,
+                                               int bar = kSmallBarRed) {
   const int c = lane & 3;
 #pragma unroll
   for (int j = 0; j < H / 4; ++j)
@@ -63,7 +64,7 @@ __device__ __forceinline__ void reduce_columns(float (&v)[H / 4], float* red, in
   if (lane < 4)
 #pragma unroll
     for (int j = 0; j < H / 4; ++j) red[warp * H + 8 * (j / 2) + 2 * c + (j & 1)] = v[j];
-  named_bar_sync(kSmallBarRed, kWarpgroup);
+  named_bar_sync(bar, kWarpgroup);
 #pragma unroll
   for (int j = 0; j < H / 4; ++j) {
     const int h = 8 * (j / 2) + 2 * c + (j & 1);
@@ -72,7 +73,7 @@ __device__ __forceinline__ void reduce_columns(float (&v)[H / 4], float* red, in
     for (int k = 1; k < 4; ++k) a = kMax ? fmaxf(a, red[k * H + h]) : a + red[k * H + h];
     v[j] = a;
   }
-  named_bar_sync(kSmallBarRed, kWarpgroup);  // red is free again
+  named_bar_sync(bar, kWarpgroup);  // red is free again
 }
 
 // Accumulator i of a 64 x H product (H / 2 a thread): row r0 + 8 ((i / 2) % 2), column

@@ -3,6 +3,8 @@ smaller values (``soften``)."""
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -190,7 +192,9 @@ def stale_lengths_case(rng, fmt, h_q):
 
 
 def fresh_rng():
-    """A generator with a fresh seed every run; the seed is printed, so a failure shows it."""
-    seed = np.random.SeedSequence().entropy % (2**32)
+    """A generator with a fresh seed every run; the seed is printed, so a failure shows it.
+    JSM_SEED=N replays a failure's seed."""
+    replay = os.environ.get("JSM_SEED")
+    seed = int(replay) if replay else np.random.SeedSequence().entropy % (2**32)
     print(f"seed={seed}")
     return np.random.default_rng(seed)

@@ -1,0 +1,780 @@
+// The few-heads decode kernel for V32 caches (h_q <= 16; MODEL1 runs decode_small.cuh's) with
+// the dequantization in the consumers. decode_small.cuh's producers write every token as bf16
+// into a shared K tile that wgmma then reads twice (S^T and O^T); here the cache bytes stay raw:
+//   producer warpgroup: one bulk copy per 656-byte row (16-byte aligned caches; cp.async
+//     pieces otherwise) into one of four stages, zeros for an invalid entry; the stage's
+//     `full` barrier tracks the bytes.
+//   warpgroup A: S^T = K Q^T from registers (the codes as f16, one conversion per two), the
+//     softmax, P^T for B; warpgroup B: O^T = V^T P^T (codes times scale / c in f16), a block
+//     behind A (two P^T buffers).
+// The f16 arithmetic and its exactness are described at "the f16 products" below.
+//
+// The K dimension of S^T is permuted so that a thread's A fragments of 4 k-steps are one
+// 16-byte chunk of a token row (Q is stored in the same order), and the M dimension of
+// O^T (the value dims) so that a thread's rows are 16 consecutive dims of every token.
+// The tokens of O^T's K dimension are permuted too (P^T is written in that order); the row
+// pitch (kRsPitch) keeps both products' loads conflict-free.
+#pragma once
+
+#include "cuda/decode_small.cuh"
+
+namespace jsm {
+namespace cuda {
+
+constexpr int kRsStages = 4;
+// A raw row in smem: 42 chunks of 16 bytes (V32 uses 41). An even chunk count that is not a
+// multiple of 4 spreads both products' loads over all banks without a swizzle: S^T's LDS.128
+// read chunk 4 j + c of rows r0 + g (8 rows, 4 chunks), O^T's chunk 8 w + g of 4 rows, and
+// 16-byte unit (2 row + chunk) mod 8 then takes each value 4 times (the 4-wavefront minimum).
+constexpr int kRsPitch = 672;
+constexpr int kRsThreads = 3 * kWarpgroup;  // S^T + softmax, O^T, producer
+// Registers after reallocation (the launch gives 168; 184 + 216 + 104 = 504).
+constexpr int kRsRegsQK = 184;
+constexpr int kRsRegsPV = 216;
+constexpr int kRsRegsProducer = 104;
+static_assert(kRsRegsQK + kRsRegsPV + kRsRegsProducer <= 3 * 168, "setmaxnreg counts over the launch's");
+// Named barriers (0 is __syncthreads).
+constexpr int kRsBarQ = 1;       // A: its Q copies have landed
+constexpr int kRsBarRed = 2;     // A: the per-warp column reductions are in smem
+constexpr int kRsBarPReady = 3;  // + n % 2: A -> B, P^T, alpha (and the piece's factors)
+constexpr int kRsBarPFree = 5;   // + n % 2: B -> A, done with P^T n % 2
+
+// A token's raw row in smem, in 16-byte chunks: the cache row as it is (V32), or region A
+// followed by the scale bytes (MODEL1).
+template <KVFormat F>
+struct RawRow {
+  static constexpr bool kV32 = F == KVFormat::kV32;
+  static constexpr int kDataBytes = kV32 ? V32Layout::kBytesPerToken : Model1Layout::kDataBytes;
+  static constexpr int kScaleChunk = kV32 ? V32Layout::kScaleOffset / 16 : Model1Layout::kDataBytes / 16;
+  static constexpr int kRopeChunk = Fmt<F>::kRopeOffset / 16;
+  static_assert(kDataBytes % 16 == 0 && Fmt<F>::kRopeOffset % 16 == 0, "rows of whole chunks");
+  static_assert(kDataBytes <= kRsPitch && kScaleChunk * 16 + 16 <= kRsPitch, "the row fits its pitch");
+};
+
+template <KVFormat F, int H>
+struct SmemRs {
+  static constexpr int kQ = 0;  // Q in the permuted k order, K-major B operand
+  static constexpr int kPBytes = kTokens * H * 2;
+  static constexpr int kP = kQ + Fmt<F>::kDqk * H * 2;  // P^T, two buffers
+  static constexpr int kRed = kP + 2 * kPBytes;        // 4 warps x H floats
+  static constexpr int kAlpha = kRed + 4 * H * 4;       // 2 x H floats
+  static constexpr int kFinal = kAlpha + 2 * H * 4;     // 2 x H floats, by piece parity
+  static constexpr int kQb = kFinal + 2 * H * 4;        // H floats: 2^-k of each head's Q
+  static constexpr int kRaw = (kQb + H * 4 + 127) / 128 * 128;
+  static constexpr int kRawTile = kTokens * kRsPitch;
+  static constexpr int kValid = kRaw + kRsStages * kRawTile;  // a stage: 4 words (16 rows each)
+  static constexpr int kFull = kValid + kRsStages * 16;
+  static constexpr int kEmpty = kFull + kRsStages * 8;
+  static constexpr int kBytes = kEmpty + kRsStages * 8;
+  static_assert(kBytes <= 232448, "shared memory over the sm_90 per-block limit");
+};
+
+// The dim (of the token's 576) of the first of the pair (k-step ks, quad column cc, half
+// u) of S^T's permuted K order: in k-steps 4J .. 4J + 3 thread cc reads dims
+// 64 J + 16 cc .. + 15 of the codes; in the RoPE k-steps, two 8-dim chunks (cc, cc + 4).
+template <KVFormat F>
+__device__ __forceinline__ int rs_dim(int ks, int cc, int u) {
+  const int j = ks >> 2;
+  const int local = 4 * (ks & 3) + 2 * u;
+  if (j < Fmt<F>::kNope / 64) return 64 * j + 16 * cc + local;
+  return Fmt<F>::kNope + (local < 8 ? 8 * cc + local : 32 + 8 * cc + local - 8);
+}
+
+// The stage's `full` barrier counts this thread's earlier cp.asyncs (one of its arrivals).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// D(64x16) += A(64x16, registers) B(16x16, smem, K-major).
+__device__ __forceinline__ void wgmma_m64n16k16_rs(float* d, const uint32_t* a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " JSM_ACC8_REGS
+      ", {%8, %9, %10, %11}, %12, p, %14, %15, %16;\n}\n"
+      : JSM_ACC8(JSM_INOUT, d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA), "n"(kScaleB),
+        "n"(kKMajor)
+      : "memory");
+}
+
+// The same product in f16 (A and B f16, fp32 accumulators).
+__device__ __forceinline__ void wgmma_m64n16k16_rs_f16(float* d, const uint32_t* a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 " JSM_ACC8_REGS
+      ", {%8, %9, %10, %11}, %12, p, %14, %15, %16;\n}\n"
+      : JSM_ACC8(JSM_INOUT, d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA), "n"(kScaleB),
+        "n"(kKMajor)
+      : "memory");
+}
+
+// Four e4m3 codes (the first in the low byte) as f16 pairs, exactly: codes 0, 1 in `lo`.
+__device__ __forceinline__ void codes_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b16 c01, c23;\nmov.b32 {c01, c23}, %2;\n"
+      "cvt.rn.f16x2.e4m3x2 %0, c01;\ncvt.rn.f16x2.e4m3x2 %1, c23;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+}
+
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t f16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// The smallest power of two >= x (x >= 0 finite; 2^-126 for 0 and subnormals).
+__device__ __forceinline__ float pow2_ceil(float x) {
+  const uint32_t b = __float_as_uint(x);
+  const uint32_t e = b & 0x7f800000u;
+  return __uint_as_float(e == 0 ? 0x00800000u : ((b & 0x007fffffu) ? min(e + 0x00800000u, 0x7f000000u) : e));
+}
+
+// cp.async of 8 bytes (src_bytes = 0: zeros).
+__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// Whether the producer copies a whole row with one bulk copy (16-byte aligned V32 rows) or
+// with cp.async pieces (the per-piece bookkeeping made that producer the wall: NOTES,
+// session 21). A stage's `full` then counts 64 arrivals (one a row) and the rows' bytes,
+// else each producer thread's cp.asyncs and 4 arrivals (the valid words).
+template <KVFormat F, bool kAligned>
+constexpr bool kBulkRows = kAligned && F == KVFormat::kV32;
+template <KVFormat F, bool kAligned>
+constexpr int kRsFullArrivals = kBulkRows<F, kAligned> ? kTokens : kWarpgroup + 4;
+
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to
+// this CTA's smem; completion counts on mbarrier `bar` as transaction bytes.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+__device__ __forceinline__ void sts128_zero(uint32_t addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+}
+
+// Producer warpgroup: warp pw fills rows 16 pw .. 16 pw + 15 of every block (lane j < 16
+// resolves entry 16 pw + j, a block ahead of its copies): a bulk copy a row, or cp.async
+// pieces of 16 bytes (kAligned) or 8.
+template <KVFormat F, bool kAligned>
+__device__ __forceinline__ void produce_rs(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem, int t) {
+  using L = SmemRs<F, kSmallHeads>;
+  using R = RawRow<F>;
+  constexpr int kCopy = kAligned ? 16 : 8;
+  constexpr int kPerRow = R::kDataBytes / kCopy;
+  static_assert(kPerRow >= 32, "a copy index advances by at most one row");
+  const int pw = t >> 5;
+  const int lane = t & 31;
+  const int entry = 16 * pw + (lane & 15);
+  uint32_t* valid_words = reinterpret_cast<uint32_t*>(smem + L::kValid);
+
+  Cursor c;
+  cursor_enter(c, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  EntryIndex idx = load_entry(c, p, s, w.end_req, entry);
+  cursor_advance(c, p, w.end_req, w.end_block);  // c: block n + 1
+  for (int n = 0;; ++n) {
+    const TokenRef cur = resolve_entry<F>(idx, p);
+    const bool has_next = c.r <= w.end_req;
+    idx = load_entry(c, p, s, w.end_req, entry);
+    cursor_advance(c, p, w.end_req, w.end_block);
+
+    const int stage = n % kRsStages;
+    mbar_wait(sb + L::kEmpty + 8 * stage, ((n / kRsStages) & 1) ^ 1);
+    const uint32_t tile = sb + L::kRaw + stage * L::kRawTile + 16 * pw * kRsPitch;
+    const uint32_t full = sb + L::kFull + 8 * stage;
+    const uint32_t v = __ballot_sync(0xffffffffu, cur.data != nullptr) & 0xffffu;
+    if (lane == 0) valid_words[4 * stage + pw] = v;  // (published by lane 0's arrival)
+    if (kBulkRows<F, kAligned>) {  // one bulk copy a row; zeros for an invalid entry
+      if (lane < 16) {
+        const uint32_t dst = tile + lane * kRsPitch;
+        if (cur.data) {
+          mbar_arrive_expect_tx(full, R::kDataBytes);
+          bulk_load(dst, cur.data, R::kDataBytes, full);
+        } else {
+#pragma unroll 1
+          for (int i = 0; i < R::kDataBytes / 16; ++i) sts128_zero(dst + 16 * i);
+          mbar_arrive(full);
+        }
+      }
+      if (!has_next) break;
+      continue;
+    }
+    const uint64_t mine = reinterpret_cast<uint64_t>(cur.data);
+    int row = 0, piece = lane;  // copy lane + 32 i of the warp's 16 x kPerRow
+#pragma unroll 2
+    for (int i = 0; i < (16 * kPerRow + 31) / 32; ++i) {
+      const uint64_t src = __shfl_sync(0xffffffffu, mine, row);
+      if (row < 16) {
+        const uint8_t* from = src ? reinterpret_cast<const uint8_t*>(src) + kCopy * piece : p.kv;
+        const uint32_t dst = tile + row * kRsPitch + kCopy * piece;
+        if (kAligned) {
+          cp_async_16(dst, from, src ? 16u : 0u);
+        } else {
+          cp_async_8(dst, from, src ? 8u : 0u);
+        }
+      }
+      piece += 32;
+      if (piece >= kPerRow) {
+        piece -= kPerRow;
+        ++row;
+      }
+    }
+    if (!R::kV32 && lane < 16) {  // MODEL1: the 8 scale bytes (8-byte aligned in region B)
+      cp_async_8(tile + lane * kRsPitch + R::kScaleChunk * 16, cur.scales ? cur.scales : p.kv,
+                 cur.scales ? 8u : 0u);
+    }
+    cp_async_arrive_noinc(full);
+    if (lane == 0) mbar_arrive(full);
+    if (!has_next) break;
+  }
+  cp_async_wait_all();
+}
+
+// ---- the f16 products (V32) ----
+//
+// e4m3 codes are exact in f16, so the consumers convert a pair of codes with one instruction
+// and the scales move out of the A fragments:
+//   S^T: one fp32 accumulator set per scale tile, S = sum_t scale_t(token) S_t (a per-row
+//     factor); Q's NoPE dims in f16 times a per-head power of two 2^k_h (its largest |q| in
+//     [2^14, 2^15), where f16 holds every bf16 value exactly), undone on S; the RoPE dims stay
+//     bf16 (their own accumulators). With power-of-two scales (every quantizer's) the products
+//     are the bf16 rule's exactly; other float32 scales skip the rule's rounding of K to bf16.
+//   O^T: A = code x (scale / c) in f16, c a power of two per block and scale tile (a thread's
+//     rows lie in one tile): O^T is kept in units of c and rescaled (exactly) when c changes.
+//     P^T in f16.
+
+// Q of (request r, query row s) for the f16 products, fetched into registers (thread t: head
+// t / 8, bf16 pairs t % 8 + 8 m of its NoPE and RoPE dims) ahead of q_store.
+template <KVFormat F>
+struct QRegs {
+  static constexpr int kNope = Fmt<F>::kNope / 2 / 8;
+  static constexpr int kRope = (Fmt<F>::kDqk - Fmt<F>::kNope) / 2 / 8;
+  uint32_t nope[kNope];
+  uint32_t rope[kRope];
+};
+
+template <KVFormat F, int H>
+__device__ __forceinline__ void q_fetch(const Params& p, int r, int s, int t, QRegs<F>& qr) {
+  static_assert(H * 8 == kWarpgroup, "8 threads a head");
+  const int h = t >> 3;
+  const bool ok = h < p.h_q;
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(
+      p.q + ((static_cast<int64_t>(r) * p.s_q + s) * p.h_q + (ok ? h : 0)) * Fmt<F>::kDqk);
+#pragma unroll
+  for (int m = 0; m < QRegs<F>::kNope; ++m) qr.nope[m] = ok ? __ldg(src + (t & 7) + 8 * m) : 0u;
+#pragma unroll
+  for (int m = 0; m < QRegs<F>::kRope; ++m) qr.rope[m] = ok ? __ldg(src + Fmt<F>::kNope / 2 + (t & 7) + 8 * m) : 0u;
+}
+
+// Logical k (S^T's permuted order, rs_dim's inverse) of NoPE dim d / RoPE dim r (even).
+template <KVFormat F>
+__device__ __forceinline__ int k_of_nope(int d) {
+  const int l = d & 15;
+  return 16 * (4 * (d >> 6) + (l >> 2)) + 8 * ((l >> 1) & 1) + 2 * ((d >> 4) & 3);
+}
+template <KVFormat F>
+__device__ __forceinline__ int k_of_rope(int r) {
+  const int cc = (r & 31) >> 3;
+  const int l = (r & 7) + (r >= 32 ? 8 : 0);
+  return 16 * (4 * (Fmt<F>::kNope / 64) + (l >> 2)) + 8 * ((l >> 1) & 1) + 2 * cc;
+}
+
+// Stores the fetched Q into smem (`q_s`) and each head's 2^-k_h into qb_s[h].
+template <KVFormat F, int H>
+__device__ __forceinline__ void q_store(const QRegs<F>& qr, uint8_t* q_s, float* qb_s, int t) {
+  const int h = t >> 3;
+  float mx = 0.f;
+#pragma unroll
+  for (int m = 0; m < QRegs<F>::kNope; ++m)
+    mx = fmaxf(mx, fmaxf(fabsf(__uint_as_float(qr.nope[m] << 16)), fabsf(__uint_as_float(qr.nope[m] & 0xffff0000u))));
+#pragma unroll
+  for (int x = 1; x < 8; x *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+  const int e = static_cast<int>(__float_as_uint(mx) >> 23);  // mx >= 0
+  const int k = (mx == 0.f || e >= 255) ? 0 : (e == 0 ? 125 : min(141 - e, 125));
+  const float up = __uint_as_float(static_cast<uint32_t>(127 + k) << 23);
+#pragma unroll
+  for (int m = 0; m < QRegs<F>::kNope; ++m) {
+    const int kk = k_of_nope<F>(2 * ((t & 7) + 8 * m));
+    const uint32_t w = qr.nope[m];
+    *reinterpret_cast<uint32_t*>(q_s + (kk >> 3) * H * 16 + h * 16 + (kk & 7) * 2) =
+        pack_f16x2(__uint_as_float(w << 16) * up, __uint_as_float(w & 0xffff0000u) * up);
+  }
+#pragma unroll
+  for (int m = 0; m < QRegs<F>::kRope; ++m) {
+    const int kk = k_of_rope<F>(2 * ((t & 7) + 8 * m));
+    *reinterpret_cast<uint32_t*>(q_s + (kk >> 3) * H * 16 + h * 16 + (kk & 7) * 2) = qr.rope[m];
+  }
+  if ((t & 7) == 0) qb_s[h] = __uint_as_float(static_cast<uint32_t>(127 - k) << 23);
+}
+
+// float(bf16(x)): the rule's rounding of a V32 scale.
+__device__ __forceinline__ float bf16_round(float x) { return __uint_as_float(pack_bf16x2(x, 0.f) << 16); }
+
+// Warpgroup A: S^T = K Q^T for every block, the softmax, and P^T (f16) and the column factors
+// alpha into buffer n % 2 for warpgroup B; at a piece's end the output factors and lse. One
+// block ahead of B at most (two buffers).
+template <KVFormat F, int H>
+__device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
+  static_assert(H == 16 && F == KVFormat::kV32, "m64n16 products over V32 rows");
+  using L = SmemRs<F, H>;
+  using R = RawRow<F>;
+  constexpr int kAcc = H / 2;
+  constexpr int kCols = H / 4;
+  constexpr int kJ = Fmt<F>::kDqk / 64;  // 16-dim chunks of an S^T row a quad column reads
+  constexpr int kNopeJ = Fmt<F>::kNope / 64;
+  constexpr int kTileJ = Fmt<F>::kSpansPerScale;  // chunks j per scale tile
+  constexpr int kTiles = Fmt<F>::kScales;
+  const int t = threadIdx.x;
+  const int warp = t >> 5;
+  const int lane = t & 31;
+  const int c = lane & 3;
+  const int g = lane >> 2;
+  const int r0 = 16 * warp + g;  // S^T rows (tokens) r0, r0 + 8
+  float* red = reinterpret_cast<float*>(smem + L::kRed);
+  float* qb_s = reinterpret_cast<float*>(smem + L::kQb);
+  const float scale = p.scale_log2;
+
+  Cursor cur;
+  cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  QRegs<F> qr;
+  q_fetch<F, H>(p, cur.r, s, t, qr);
+  bool q_pending = true;
+  float qb[kCols];
+  int pieces = 0;
+  float m[kCols], l[kCols];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    m[j] = kInitMax;
+    l[j] = 0.f;
+  }
+
+  int n = 0;
+  for (;; ++n) {
+    Cursor nx = cur;
+    cursor_advance(nx, p, w.end_req, w.end_block);
+    const bool last = nx.r != cur.r;
+    const int stage = n % kRsStages;
+    const uint32_t raw = sb + L::kRaw + stage * L::kRawTile;
+
+    if (q_pending) {  // (the last request's products are done: every warp passed the softmax)
+      q_store<F, H>(qr, smem + L::kQ, qb_s, t);
+      fence_proxy_async();
+      named_bar_sync(kRsBarQ, kWarpgroup);
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) qb[j] = qb_s[8 * (j / 2) + 2 * c + (j & 1)];
+      q_pending = false;
+    }
+    mbar_wait(sb + L::kFull + 8 * stage, (n / kRsStages) & 1);
+    const uint32_t vw = reinterpret_cast<const uint32_t*>(smem + L::kValid)[4 * stage + warp];
+    const bool v0 = (vw >> g) & 1, v1 = (vw >> (g + 8)) & 1;
+
+    const uint32_t row_a = raw + r0 * kRsPitch, row_b = row_a + 8 * kRsPitch;
+    float sc_a[kTiles], sc_b[kTiles];
+    {
+      const uint4 fa = lds128(row_a + R::kScaleChunk * 16);
+      const uint4 fb = lds128(row_b + R::kScaleChunk * 16);
+#pragma unroll
+      for (int k = 0; k < kTiles; ++k) {
+        sc_a[k] = bf16_round(__uint_as_float(word(fa, k)));
+        sc_b[k] = bf16_round(__uint_as_float(word(fb, k)));
+      }
+    }
+    float acc[kTiles][kAcc], racc[kAcc];
+#pragma unroll
+    for (int k = 0; k < kTiles; ++k) zero(acc[k]);
+    zero(racc);
+    uint32_t a[2][16];
+    const uint64_t dq = desc_k_major(sb + L::kQ, H);
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      if (j >= 2) wgmma_wait<1>();  // the group that used a[j & 1] is done
+      uint32_t* aj = a[j & 1];
+      if (j < kNopeJ) {
+        const uint4 ra = lds128(row_a + (4 * j + c) * 16);
+        const uint4 rb = lds128(row_b + (4 * j + c) * 16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          codes_f16(word(ra, i), aj[4 * i + 0], aj[4 * i + 2]);
+          codes_f16(word(rb, i), aj[4 * i + 1], aj[4 * i + 3]);
+        }
+      } else {  // RoPE dims, bf16 as stored: chunks kRopeChunk + c (k-steps 0, 1), + 4 (2, 3)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int ch = R::kRopeChunk + c + 4 * half;
+          const uint4 ra = lds128(row_a + ch * 16);
+          const uint4 rb = lds128(row_b + ch * 16);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            aj[4 * (2 * half + i) + 0] = word(ra, 2 * i);
+            aj[4 * (2 * half + i) + 2] = word(ra, 2 * i + 1);
+            aj[4 * (2 * half + i) + 1] = word(rb, 2 * i);
+            aj[4 * (2 * half + i) + 3] = word(rb, 2 * i + 1);
+          }
+        }
+      }
+      if (j == kJ - 1) release_tile<1>(sb + L::kEmpty + 8 * stage, 0);  // A's loads of the stage are done
+      if (j == 0) {
+#pragma unroll
+        for (int k = 0; k < kTiles; ++k) pin(acc[k]);
+        pin(racc);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint64_t db = dq + static_cast<uint64_t>((4 * j + i) * 2 * H * 16 / 16);
+        if (j < kNopeJ) {
+          wgmma_m64n16k16_rs_f16(acc[j / kTileJ], aj + 4 * i, db);
+        } else {
+          wgmma_m64n16k16_rs(racc, aj + 4 * i, db);
+        }
+      }
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int k = 0; k < kTiles; ++k) pin(acc[k]);
+    pin(racc);
+    if (last && nx.r <= w.end_req) {  // every QK of this request is done: fetch the next Q
+      q_fetch<F, H>(p, nx.r, s, t, qr);
+      q_pending = true;
+    }
+    float sacc[kAcc];
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) {
+      const float* sc = ((i >> 1) & 1) ? sc_b : sc_a;
+      float x = 0.f;
+#pragma unroll
+      for (int k = 0; k < kTiles; ++k) x = fmaf(sc[k], acc[k][i], x);
+      sacc[i] = fmaf(x, qb[acc_column(i)], racc[i]);
+    }
+
+    // Softmax over the 64 tokens of each head (column), as decode_small.cuh.
+    if (!(v0 && v1)) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i)
+        if (!(((i >> 1) & 1) ? v1 : v0)) sacc[i] = -INFINITY;
+    }
+    float mx[kCols];
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) mx[j] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) mx[acc_column(i)] = fmaxf(mx[acc_column(i)], sacc[i]);
+    reduce_columns<H, true>(mx, red, warp, lane, kRsBarRed);
+    float alpha[kCols];
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const float mx_scaled = mx[j] * scale;
+      const bool grow = mx_scaled > m[j] + kLazyRescale;
+      const float m_new = grow ? mx_scaled : m[j];
+      alpha[j] = grow ? fast_exp2(m[j] - m_new) : 1.f;
+      m[j] = m_new;
+      l[j] *= alpha[j];
+    }
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) {
+      const int j = acc_column(i);
+      sacc[i] = fast_exp2(fmaf(sacc[i], scale, -m[j]));
+      l[j] += sacc[i];
+    }
+
+    const int pb = n & 1;
+    if (n >= 2) named_bar_sync(kRsBarPFree + pb, 2 * kWarpgroup);  // B is done with block n - 2's
+    // P^T (f16) in O^T's token order: token 16 ks + 4 b + 8 h + cc is k = 16 ks + 8 h + 2 cc + b.
+    uint8_t* p_s = smem + L::kP + pb * L::kPBytes;
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) {
+      const int h = 8 * (i >> 2) + 2 * c + (i & 1);
+      const int tok = r0 + 8 * ((i >> 1) & 1);
+      const int rem = tok & 15;
+      const int k = (tok & ~15) + 8 * (rem >> 3) + 2 * (rem & 3) + ((rem >> 2) & 1);
+      *reinterpret_cast<uint16_t*>(p_s + (k >> 3) * H * 16 + h * 16 + (k & 7) * 2) =
+          static_cast<uint16_t>(pack_f16x2(sacc[i], 0.f) & 0xffffu);
+    }
+    float* alpha_s = reinterpret_cast<float*>(smem + L::kAlpha) + pb * H;
+    if (warp == 0 && g == 0) {
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) alpha_s[8 * (j / 2) + 2 * c + (j & 1)] = alpha[j];
+    }
+    if (last) {  // the piece's factors (1 / sum, the sink) for B, and its lse
+      const PieceOut po = piece_out(p, w, cur.r);
+      reduce_columns<H, false>(l, red, warp, lane, kRsBarRed);
+      float* final_s = reinterpret_cast<float*>(smem + L::kFinal) + (pieces & 1) * H;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const int h = 8 * (j / 2) + 2 * c + (j & 1);
+        const float f = finish_head(p, w, po, s, h, l[j], m[j], lane < 4 && warp == 0);
+        if (warp == 0 && g == 0) final_s[h] = f;
+        m[j] = kInitMax;
+        l[j] = 0.f;
+      }
+      ++pieces;
+    }
+    fence_proxy_async();
+    named_bar_arrive(kRsBarPReady + pb, 2 * kWarpgroup);
+    if (nx.r > w.end_req) break;
+    cur = nx;
+  }
+  // Pair B's last two arrivals on P-free, so that no named barrier is left half arrived.
+  if (n >= 1) named_bar_sync(kRsBarPFree + ((n - 1) & 1), 2 * kWarpgroup);
+  named_bar_sync(kRsBarPFree + (n & 1), 2 * kWarpgroup);
+}
+
+// A fragments of O^T's m-tile mt from the 4 raw chunks `rv` (tokens bh = 0 .. 3 of a k-step):
+// the codes of dims 2 mt, 2 mt + 1 as f16 pairs, (token 0, token 1) in x0 (dim 2 mt) and x1,
+// (token 2, token 3) in x2, x3.
+__device__ __forceinline__ void pv_codes(const uint4 (&rv)[4], int mt, uint32_t& x0, uint32_t& x1, uint32_t& x2,
+                                         uint32_t& x3) {
+  const int wi = mt >> 1;
+  const uint32_t sel = (mt & 1) ? 0x7362u : 0x5140u;
+  codes_f16(__byte_perm(word(rv[0], wi), word(rv[1], wi), sel), x0, x1);
+  codes_f16(__byte_perm(word(rv[2], wi), word(rv[3], wi), sel), x2, x3);
+}
+
+// f16 pair x times (lo, hi) in fp32, rounded once to an f16 pair.
+__device__ __forceinline__ uint32_t f16x2_mul_f32(uint32_t x, float lo, float hi) {
+  float a, b;
+  asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+      : "=f"(a), "=f"(b)
+      : "r"(x));
+  return pack_f16x2(a * lo, b * hi);
+}
+
+// bk[4 mt .. 4 mt + 3] with a runtime mt (the exact path's loop is not unrolled: it is rare).
+__device__ __forceinline__ void bk_set(uint32_t* bk, int mt, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
+#pragma unroll
+  for (int m = 0; m < 8; ++m)
+    if (m == mt) {
+      bk[4 * m + 0] = a0;
+      bk[4 * m + 1] = a1;
+      bk[4 * m + 2] = a2;
+      bk[4 * m + 3] = a3;
+    }
+}
+
+// Warpgroup B: O^T = alpha O^T + V^T P^T for every block in f16 (A: the codes of value dims
+// 16 q .. 16 q + 15 of the thread's tokens times scale / c), the output at a piece's end.
+template <KVFormat F, int H>
+__device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
+  static_assert(F == KVFormat::kV32, "V32 rows: every value dim is a code");
+  using L = SmemRs<F, H>;
+  using R = RawRow<F>;
+  constexpr int kAcc = H / 2;
+  constexpr int kCols = H / 4;
+  const int t = threadIdx.x - kWarpgroup;
+  const int warp = t >> 5;
+  const int lane = t & 31;
+  const int c = lane & 3;
+  const int g = lane >> 2;
+  const int q = 8 * warp + g;  // O^T rows: value dims 16 q .. 16 q + 15, scale tile `tile`
+  const int tile = 16 * q / (Fmt<F>::kSpansPerScale * 64);
+  constexpr float kCMin = 1.17549435e-38f;  // 2^-126: c before any scale
+
+  Cursor cur;
+  cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  bool first = true;
+  int pieces = 0;
+  float cn = kCMin;   // this thread's normalizer (the same across its quad)
+  float piece_max = 0.f;  // the piece's largest scale so far in this thread's scale tile
+  float o[8 * kAcc];  // O^T / cn: m-tile mt (dims 16 q + 2 mt, + 1) at o[mt * kAcc ..]
+  zero(o);
+
+  for (int n = 0;; ++n) {
+    Cursor nx = cur;
+    cursor_advance(nx, p, w.end_req, w.end_block);
+    const bool last = nx.r != cur.r;
+    const int stage = n % kRsStages;
+    const uint32_t raw = sb + L::kRaw + stage * L::kRawTile;
+    const int pb = n & 1;
+
+    mbar_wait(sb + L::kFull + 8 * stage, (n / kRsStages) & 1);
+    // The scales of the thread's 16 tokens (k-step ks: tokens 16 ks + 4 b + 8 h + c, bh = b + 2 h).
+    float sv[16];
+    float smax = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int bh = 0; bh < 4; ++bh) {
+        const int tok = 16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c;
+        sv[4 * ks + bh] = bf16_round(lds_f32(raw + tok * kRsPitch + R::kScaleChunk * 16 + 4 * tile));
+        smax = fmaxf(smax, fabsf(sv[4 * ks + bh]));
+      }
+    smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));
+    smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 2));
+    // c follows each block's largest scale, up and down: a running maximum would flush the
+    // codes of later small-scale blocks to zero in f16. It stays within 2^40 of the piece's
+    // largest scale so that O^T (in units of c) cannot overflow.
+    smax = fminf(smax, 3.0e38f);
+    piece_max = fmaxf(piece_max, smax);
+    const float c_new = pow2_ceil(fmaxf(smax, piece_max * 0x1p-40f));
+    const float ratio = cn / c_new;  // old / new normalizer: a power of two
+    cn = c_new;
+    const float inv_c = 1.f / cn;  // a power of two: exact
+    // f16(scale / c) is exact down to f16's smallest normal; a warp with a smaller ratio (a
+    // block whose scales span more than 2^14: never with a quantizer's) multiplies in fp32,
+    // so that each A value is rounded once, as on the fast path.
+    bool tiny = false;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) tiny |= sv[i] != 0.f && fabsf(sv[i] * inv_c) < 0x1p-14f;
+    const bool exact_a = __any_sync(0xffffffffu, tiny);
+
+    named_bar_sync(kRsBarPReady + pb, 2 * kWarpgroup);
+    const float* alpha_s = reinterpret_cast<const float*>(smem + L::kAlpha) + pb * H;
+    float alpha[kCols], f[kCols];
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) alpha[j] = alpha_s[8 * (j / 2) + 2 * c + (j & 1)] * ratio;
+    if (last) {
+      const float* final_s = reinterpret_cast<const float*>(smem + L::kFinal) + (pieces & 1) * H;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) f[j] = final_s[8 * (j / 2) + 2 * c + (j & 1)];
+    }
+    if (!first && __any_sync(0xffffffffu, [&] {
+          bool any = false;
+#pragma unroll
+          for (int j = 0; j < kCols; ++j) any |= alpha[j] != 1.f;
+          return any;
+        }())) {
+#pragma unroll
+      for (int i = 0; i < 8 * kAcc; ++i) o[i] *= alpha[acc_column(i % kAcc)];
+    }
+
+    const uint64_t dp_ = desc_k_major(sb + L::kP + pb * L::kPBytes, H);
+    uint32_t b[2][32];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks >= 2) wgmma_wait<1>();
+      uint32_t* bk = b[ks & 1];
+      uint4 rv[4];
+#pragma unroll
+      for (int bh = 0; bh < 4; ++bh) {
+        const int tok = 16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c;
+        rv[bh] = lds128(raw + tok * kRsPitch + q * 16);
+      }
+      const float* s4 = sv + 4 * ks;  // scales of the pairs' tokens: (0, 1) in x0, x1; (2, 3) in x2, x3
+      if (!exact_a) {
+        const uint32_t sc01 = pack_f16x2(s4[0] * inv_c, s4[1] * inv_c);
+        const uint32_t sc23 = pack_f16x2(s4[2] * inv_c, s4[3] * inv_c);
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt) {
+          uint32_t x0, x1, x2, x3;
+          pv_codes(rv, mt, x0, x1, x2, x3);
+          bk[4 * mt + 0] = f16x2_mul(x0, sc01);
+          bk[4 * mt + 1] = f16x2_mul(x1, sc01);
+          bk[4 * mt + 2] = f16x2_mul(x2, sc23);
+          bk[4 * mt + 3] = f16x2_mul(x3, sc23);
+        }
+      } else {
+        const float r0 = s4[0] * inv_c, r1 = s4[1] * inv_c, r2 = s4[2] * inv_c, r3 = s4[3] * inv_c;
+#pragma unroll 1
+        for (int mt = 0; mt < 8; ++mt) {
+          uint32_t x0, x1, x2, x3;
+          pv_codes(rv, mt, x0, x1, x2, x3);
+          bk_set(bk, mt, f16x2_mul_f32(x0, r0, r1), f16x2_mul_f32(x1, r0, r1), f16x2_mul_f32(x2, r2, r3),
+                 f16x2_mul_f32(x3, r2, r3));
+        }
+      }
+      if (ks == 3) release_tile<1>(sb + L::kEmpty + 8 * stage, 0);  // B's loads of the stage are done
+      if (ks == 0) pin(o);
+      wgmma_fence();
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt)
+        wgmma_m64n16k16_rs_f16(o + mt * kAcc, bk + 4 * mt, dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16));
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    pin(o);
+    named_bar_arrive(kRsBarPFree + pb, 2 * kWarpgroup);
+
+    first = last;
+    if (last) {  // the piece's output: O^T times cn and A's factors
+      const PieceOut po = piece_out(p, w, cur.r);
+      ++pieces;
+      if (po.write) {
+        // Head 8 (j / 2) + 2 c + j % 2: this thread's 16 dims 16 q .. + 15, dim 2 mt + hf
+        // from o[mt * kAcc + 4 (j / 2) + 2 hf + j % 2].
+        const int64_t row0 = (po.pieces == 1 ? static_cast<int64_t>(po.r) * p.s_q : po.slot * p.s_q) + s;
+        const int d0 = 16 * q;
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) {
+          const int h = 8 * (j / 2) + 2 * c + (j & 1);
+          if (h >= p.h_q) continue;
+          const float fj = f[j] * cn;
+          float v[16];
+#pragma unroll
+          for (int k = 0; k < 16; ++k) v[k] = o[(k >> 1) * kAcc + 4 * (j / 2) + 2 * (k & 1) + (j & 1)] * fj;
+          const int64_t e0 = (row0 * p.h_q + h) * kDimV + d0;
+          if (po.pieces == 1) {
+            uint4* dst = reinterpret_cast<uint4*>(p.out + e0);
+            dst[0] = make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
+                                pack_bf16x2(v[6], v[7]));
+            dst[1] = make_uint4(pack_bf16x2(v[8], v[9]), pack_bf16x2(v[10], v[11]), pack_bf16x2(v[12], v[13]),
+                                pack_bf16x2(v[14], v[15]));
+          } else {
+            float4* dst = reinterpret_cast<float4*>(p.out_accum + e0);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) dst[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+          }
+        }
+      }
+      zero(o);
+      cn = kCMin;
+      piece_max = 0.f;
+    }
+    if (nx.r > w.end_req) break;
+    cur = nx;
+  }
+}
+
+template <KVFormat F, int H, bool kAligned>
+__global__ void __launch_bounds__(kRsThreads, 1) decode_kernel_rs(const Params p) {
+  using L = SmemRs<F, H>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int s = blockIdx.y;
+  const Work w = read_work(p, blockIdx.x);
+  if (w.begin_req > w.end_req) return;
+  const uint32_t sb = smem_u32(smem);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int i = 0; i < kRsStages; ++i) {
+      mbar_init(sb + L::kFull + 8 * i, kRsFullArrivals<F, kAligned>);
+      mbar_init(sb + L::kEmpty + 8 * i, 2 * kWarpgroup / 32);  // A's and B's warps
+    }
+  }
+  __syncthreads();
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
+  if (wg == 2) {
+    setmaxnreg_dec<kRsRegsProducer>();
+    produce_rs<F, kAligned>(p, w, s, sb, smem, threadIdx.x - 2 * kWarpgroup);
+  } else if (wg == 1) {
+    setmaxnreg_inc<kRsRegsPV>();
+    consume_pv_f16<F, H>(p, w, s, sb, smem);
+  } else {
+    setmaxnreg_inc<kRsRegsQK>();
+    consume_qk_f16<F, H>(p, w, s, sb, smem);
+  }
+}
+
+}  // namespace cuda
+}  // namespace jsm
