@@ -1,7 +1,7 @@
-"""CPU check of the f16-product variant's numerics (`benchmarks/patches/small_rs5.patch`, NOTES
-session 20) on tests/test_gpu.py::test_non_power_of_two_v32_scales's inputs, at 16 and 64 heads:
+"""CPU check of the f16 products' numerics (the V32 few-heads kernel, ffi/cuda/decode_small_rs.cuh;
+docs/numerics.md) on tests/test_gpu.py::test_non_power_of_two_v32_scales's inputs, at 16 and 64 heads:
 the largest excess of out over the test's bound and of |lse error| over assert_lse_close's
-tolerance, for a NumPy model of that variant's arithmetic and one of the shipped kernels' rule.
+tolerance, for a NumPy model of that kernel's arithmetic and one of the bf16 rule of the other kernels.
 
     python benchmarks/emulate_f16_products.py --seeds 0:25
 
@@ -9,8 +9,11 @@ Models (logits summed in float64 and rounded to fp32; the softmax, P V and the m
 piece per 64-entry block are emulate_v32_scales.py's `decode_pieces`):
   rule: K and V = bf16(code * bf16(scale)) (kv_format.h), P rounded to bf16;
   f16:  S = sum over scale tiles of bf16(scale) * (q' . codes) with q' = f16(q * 2^k) * 2^-k per
-        head (no rounding of K), RoPE dims as stored; V = f16(code * bf16(scale) / c) * c with c
-        a power of two per block and scale tile (the variant's running maximum, one block); P in f16.
+        head (no rounding of K), RoPE dims as stored; V = f16(code * bf16(scale) / c) * c (one
+        rounding) with c the power of two at or above the block's largest scale, per scale tile;
+        P in f16. (The kernel first rounded bf16(scale) / c to f16 on its own: that flushed the
+        tokens of scales 2^24 below a block's largest, and this model, then one rounding
+        behind, missed it; NOTES session 21.)
 Non-power-of-two scales are where the two differ (with powers of two both are exact).
 """
 

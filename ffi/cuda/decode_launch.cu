@@ -64,10 +64,10 @@ ffi::Error set_up_device(DeviceSetup& d) {
   return ffi::Error::Success();
 }
 
-// Up to kSmallHeads heads (a tensor-parallel shard of 8): the transposed kernel
-// (decode_small.cuh), one CTA per (worker, query row). Not for a batch-invariant plan: its
-// results must equal those heads of a wider call bit for bit, and another kernel rounds
-// differently.
+// Up to kSmallHeads heads (a tensor-parallel shard of 8): the transposed kernels
+// (decode_small_rs.cuh for V32, decode_small.cuh for MODEL1), one CTA per (worker, query
+// row). Not for a batch-invariant plan: its results must equal those heads of a wider call
+// bit for bit, and these kernels round differently.
 bool use_small_kernel(const DecodeProblem& dp) { return dp.h_q <= kSmallHeads && !dp.batch_invariant; }
 
 template <KVFormat F, bool kAligned>

@@ -1,4 +1,5 @@
-// The decode kernel for few heads (h_q <= kSmallHeads = 16: a tensor-parallel shard of 8).
+// The decode kernel for few heads (h_q <= kSmallHeads = 16: a tensor-parallel shard of 8) of
+// MODEL1 caches (V32 runs decode_small_rs.cuh's, which builds on the pieces here).
 // The 64-row kernel pads them to 64 heads and spends its time dequantizing with one
 // producer warpgroup; here both products are transposed so that the tokens and the value
 // dimensions take wgmma's M and the H = 16 heads its N:
