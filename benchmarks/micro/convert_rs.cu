@@ -18,8 +18,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "cuda/decode_common.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/decode_small_rs.cuh"
 
 using namespace jsm::cuda;
 
@@ -32,26 +31,13 @@ constexpr int kChunks = 9;                // 8 chunks of codes + the RoPE pair, 
 enum Mode { kBf16, kF16, kNone, kModes };
 const char* kModeNames[kModes] = {"bf16", "f16", "none"};
 
+// One m64n16k16 RS product of the kernel (decode_small_rs.cuh), in f16 or bf16.
 template <bool kF16Products>
 __device__ __forceinline__ void mma_rs(float* d, const uint32_t* a, uint64_t desc_b) {
   if constexpr (kF16Products) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 " JSM_ACC8_REGS
-        ", {%8, %9, %10, %11}, %12, p, %14, %15, %16;\n}\n"
-        : JSM_ACC8(JSM_INOUT, d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA), "n"(kScaleB),
-          "n"(kKMajor)
-        : "memory");
+    wgmma_m64n16k16_rs_f16(d, a, desc_b);
   } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " JSM_ACC8_REGS
-        ", {%8, %9, %10, %11}, %12, p, %14, %15, %16;\n}\n"
-        : JSM_ACC8(JSM_INOUT, d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA), "n"(kScaleB),
-          "n"(kKMajor)
-        : "memory");
+    wgmma_m64n16k16_rs(d, a, desc_b);
   }
 }
 
@@ -61,23 +47,12 @@ __device__ __forceinline__ void convert(uint32_t w, uint32_t scale2, uint32_t& l
   if constexpr (kMode == kBf16) {
     dequant4(w, scale2, lo, hi);
   } else if constexpr (kMode == kF16) {
-    asm("{\n.reg .b16 c01, c23;\nmov.b32 {c01, c23}, %2;\n"
-        "cvt.rn.f16x2.e4m3x2 %0, c01;\ncvt.rn.f16x2.e4m3x2 %1, c23;\n}\n"
-        : "=r"(lo), "=r"(hi)
-        : "r"(w));
+    codes_f16(w, lo, hi);
   } else {
     lo = w;
     hi = w ^ scale2;
   }
 }
-
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 template <int kMode>
 __global__ void __launch_bounds__(256, 1) convert_kernel(float* sink, long long* cycles) {

@@ -81,6 +81,43 @@ __device__ __forceinline__ void reduce_columns(float (&v)[H / 4], float* red, in
 // 8 (i / 4) + 2 c + i % 2, i.e. the thread's column j = 2 (i / 4) + i % 2.
 __device__ __forceinline__ int acc_column(int i) { return 2 * (i >> 2) + (i & 1); }
 
+// The softmax step of one block over S^T's accumulators (this thread's rows r0, r0 + 8, whose
+// entries are valid when v0 / v1): invalid rows get -inf, each head's maximum crosses the 64
+// rows (smem `red`, named barrier `bar`), the running maximum m moves lazily (alpha: the
+// factor of what came before), and sacc becomes probabilities 2^(scale s - m), added to this
+// thread's share of l (its two rows; the 64 are summed at the piece's end).
+template <int H>
+__device__ __forceinline__ void block_softmax(float (&sacc)[H / 2], bool v0, bool v1, float (&m)[H / 4],
+                                              float (&l)[H / 4], float (&alpha)[H / 4], float scale, float* red,
+                                              int warp, int lane, int bar) {
+  if (!(v0 && v1)) {
+#pragma unroll
+    for (int i = 0; i < H / 2; ++i)
+      if (!(((i >> 1) & 1) ? v1 : v0)) sacc[i] = -INFINITY;
+  }
+  float mx[H / 4];
+#pragma unroll
+  for (int j = 0; j < H / 4; ++j) mx[j] = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < H / 2; ++i) mx[acc_column(i)] = fmaxf(mx[acc_column(i)], sacc[i]);
+  reduce_columns<H, true>(mx, red, warp, lane, bar);
+#pragma unroll
+  for (int j = 0; j < H / 4; ++j) {
+    const float mx_scaled = mx[j] * scale;  // scale > 0
+    const bool grow = mx_scaled > m[j] + kLazyRescale;
+    const float m_new = grow ? mx_scaled : m[j];
+    alpha[j] = grow ? fast_exp2(m[j] - m_new) : 1.f;
+    m[j] = m_new;
+    l[j] *= alpha[j];
+  }
+#pragma unroll
+  for (int i = 0; i < H / 2; ++i) {
+    const int j = acc_column(i);
+    sacc[i] = fast_exp2(fmaf(sacc[i], scale, -m[j]));
+    l[j] += sacc[i];
+  }
+}
+
 // Writes this thread's part of O^T (scaled by f per column) to the rows of heads
 // 2 c + 8 (i / 4) + i % 2 < 2 c + heads_left of `dst` (kDimV apart); `dst` points at the
 // element (head 2 c, value dim r0).
@@ -167,35 +204,10 @@ __device__ __forceinline__ void consume_small(const Params& p, const Work& w, in
       q_pending = true;
     }
 
-    // Softmax over the 64 tokens of each head (column). Invalid entries get -inf.
-    if (~valid != 0) {
-      const bool v0 = (valid >> r0) & 1, v1 = (valid >> (r0 + 8)) & 1;
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i)
-        if (!(((i >> 1) & 1) ? v1 : v0)) sacc[i] = -INFINITY;
-    }
-    float mx[kCols];
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) mx[j] = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) mx[acc_column(i)] = fmaxf(mx[acc_column(i)], sacc[i]);
-    reduce_columns<H, true>(mx, red, warp, lane);
+    // Softmax over the 64 tokens of each head (column).
     float alpha[kCols];
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      const float mx_scaled = mx[j] * scale;  // scale > 0
-      const bool grow = mx_scaled > m[j] + kLazyRescale;
-      const float m_new = grow ? mx_scaled : m[j];
-      alpha[j] = grow ? fast_exp2(m[j] - m_new) : 1.f;
-      m[j] = m_new;
-      l[j] *= alpha[j];
-    }
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) {
-      const int j = acc_column(i);
-      sacc[i] = fast_exp2(fmaf(sacc[i], scale, -m[j]));
-      l[j] += sacc[i];  // this thread's two rows; the 64 are summed at the end
-    }
+    block_softmax<H>(sacc, (valid >> r0) & 1, (valid >> (r0 + 8)) & 1, m, l, alpha, scale, red, warp, lane,
+                     kSmallBarRed);
     span_add(t == 0, kSpanSoftmaxMath, span_t);
     const long long span_out = span_clock();
 

@@ -471,34 +471,9 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
       sacc[i] = fmaf(x, qb[acc_column(i)], racc[i]);
     }
 
-    // Softmax over the 64 tokens of each head (column), as decode_small.cuh.
-    if (!(v0 && v1)) {
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i)
-        if (!(((i >> 1) & 1) ? v1 : v0)) sacc[i] = -INFINITY;
-    }
-    float mx[kCols];
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) mx[j] = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) mx[acc_column(i)] = fmaxf(mx[acc_column(i)], sacc[i]);
-    reduce_columns<H, true>(mx, red, warp, lane, kRsBarRed);
+    // Softmax over the 64 tokens of each head (column).
     float alpha[kCols];
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      const float mx_scaled = mx[j] * scale;
-      const bool grow = mx_scaled > m[j] + kLazyRescale;
-      const float m_new = grow ? mx_scaled : m[j];
-      alpha[j] = grow ? fast_exp2(m[j] - m_new) : 1.f;
-      m[j] = m_new;
-      l[j] *= alpha[j];
-    }
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) {
-      const int j = acc_column(i);
-      sacc[i] = fast_exp2(fmaf(sacc[i], scale, -m[j]));
-      l[j] += sacc[i];
-    }
+    block_softmax<H>(sacc, v0, v1, m, l, alpha, scale, red, warp, lane, kRsBarRed);
 
     const int pb = n & 1;
     if (n >= 2) named_bar_sync(kRsBarPFree + pb, 2 * kWarpgroup);  // B is done with block n - 2's
