@@ -144,3 +144,15 @@ def test_f16_products_model_meets_the_tolerances():
     # test of such scales still holds (sessions 20-21: 50 seeds, lse within 5.2% of its
     # tolerance; the kernel passes the same test on an H200).
     assert emulate_f16_products.main(["--seeds", "0:3"]) == 0
+
+
+def test_jsm_seed_replays_a_seed(monkeypatch, capsys):
+    # A failing GPU test prints its seed; JSM_SEED=N gives the same generator back.
+    from tests.utils.cases import fresh_rng
+
+    monkeypatch.setenv("JSM_SEED", "3772863388")
+    replayed = fresh_rng().integers(0, 2**31, 8)
+    assert "seed=3772863388" in capsys.readouterr().out
+    assert np.array_equal(replayed, np.random.default_rng(3772863388).integers(0, 2**31, 8))
+    monkeypatch.delenv("JSM_SEED")
+    assert not np.array_equal(fresh_rng().integers(0, 2**31, 8), replayed)
