@@ -4,6 +4,11 @@ the largest excess of out over the test's bound and of |lse error| over assert_l
 tolerance, for a NumPy model of that kernel's arithmetic and one of the bf16 rule of the other kernels.
 
     python benchmarks/emulate_f16_products.py --seeds 0:25
+    python benchmarks/emulate_f16_products.py --format MODEL1 --seeds 0:60
+
+`--format MODEL1` checks the MODEL1 port (benchmarks/patches/small_rs_model1.patch, not yet
+shipped) on 16-head cases like the GPU shape tests' instead: its RoPE value dims enter P V as
+v / c in f16 (`_rope_f16`).
 
 Models (logits summed in float64 and rounded to fp32; the softmax, P V and the merge of one split
 piece per 64-entry block are emulate_v32_scales.py's `decode_pieces`):
@@ -33,8 +38,10 @@ from benchmarks.emulate_v32_scales import decode_pieces, dot_f32  # noqa: E402
 from jax_sparse_mla import reference  # noqa: E402
 from tests.test_gpu import v32_scales_bound, v32_scales_case  # noqa: E402
 from tests.utils import np_dequantize_kv  # noqa: E402
+from tests.utils.cases import make_case, soften  # noqa: E402
+from jax_sparse_mla import KVFormat  # noqa: E402
 from tests.utils.np_formats import np_cache_to_rows, np_token_fields  # noqa: E402
-from tests.utils.tolerances import LSE_ATOL, LSE_RTOL, out_of_tolerance  # noqa: E402
+from tests.utils.tolerances import LSE_ATOL, LSE_RTOL, OUT_ATOL, OUT_COS_DIFF, OUT_RTOL, out_of_tolerance  # noqa: E402
 
 BF16, F16, F32 = ml_dtypes.bfloat16, np.float16, np.float32
 
@@ -58,24 +65,42 @@ def _values_f16(codes, scales):
     return out.reshape(codes.shape[0], -1)
 
 
+def _rope_f16(rope):
+    """MODEL1's RoPE value dims as `small_rs_model1.patch` feeds them to P V: v / c rounded once to
+    f16, times c, c the power of two at or above the largest |v| (at most bf16's largest finite)
+    of each 64-entry block and 16-dim group (one quad of threads). rope [n, 64]."""
+    out = np.empty(rope.shape)
+    for b0 in range(0, rope.shape[0], 64):
+        blk = rope[b0:b0 + 64].reshape(-1, 4, 16)
+        mx = np.minimum(np.abs(blk).max(axis=(0, 2)), float(ml_dtypes.finfo(BF16).max))
+        c = np.exp2(np.ceil(np.log2(np.maximum(mx, 2.0 ** -126))))[None, :, None]
+        out[b0:b0 + 64] = ((blk / c).astype(F16).astype(np.float64) * c).reshape(-1, 64)
+    return out
+
+
 def model_decode(case, model):
     """out [b, s_q, h, 512] (bf16 values) and lse [b, h, s_q] of one model."""
     q = np.asarray(case["q"]).astype(np.float32).astype(np.float64)
     cache = np.asarray(case["kv_cache"])
-    keys = np_dequantize_kv(cache).reshape(-1, 576).astype(np.float64)  # the rule's
-    codes, scales, rope = np_token_fields(np_cache_to_rows(cache, "V32").reshape(-1, 656), "V32")
+    fmt = "V32" if q.shape[-1] == 576 else "MODEL1"
+    d_qk, d_nope = q.shape[-1], 512 if fmt == "V32" else 448
+    keys = np_dequantize_kv(cache).reshape(-1, d_qk).astype(np.float64)  # the rule's
+    rows = np_cache_to_rows(cache, fmt)
+    codes, scales, rope = np_token_fields(rows.reshape(-1, rows.shape[-1]), fmt)
     codes, rope = codes.astype(np.float64), rope.astype(np.float64)
     idx = np.asarray(case["indices"])
-    c2 = F32(case["sm_scale"]) * F32(np.log2(np.e))
+    c2 = F32(case.get("sm_scale", q.shape[-1] ** -0.5)) * F32(np.log2(np.e))
     b, s_q, h, _ = q.shape
     out, lse = np.zeros((b, s_q, h, 512)), np.zeros((b, h, s_q))
     for i in range(b):
         for s in range(s_q):
             qi, sel = q[i, s], idx[i, s]
             if model == "f16":
-                part = np.einsum("ntd,htd->nht", codes[sel], _q_f16(qi[:, :512]).reshape(h, *codes.shape[1:]))
-                logits = ((part * scales[sel][:, None, :]).sum(-1) + rope[sel] @ qi[:, 512:].T).astype(F32)
+                part = np.einsum("ntd,htd->nht", codes[sel], _q_f16(qi[:, :d_nope]).reshape(h, *codes.shape[1:]))
+                logits = ((part * scales[sel][:, None, :]).sum(-1) + rope[sel] @ qi[:, d_nope:].T).astype(F32)
                 values, p_type = _values_f16(codes[sel], scales[sel]), F16
+                if fmt == "MODEL1":
+                    values = np.concatenate([values, _rope_f16(rope[sel])], axis=-1)
             else:
                 logits, values, p_type = dot_f32(qi, keys[sel], "exact"), keys[sel, :512], BF16
             o, lse2 = decode_pieces((logits * c2).astype(F32), values, p_type)
@@ -84,32 +109,54 @@ def model_decode(case, model):
     return out, lse
 
 
+def _model1_case(rng):
+    """A MODEL1 16-head case as tests/test_gpu.py's shape tests draw them (softened), every
+    entry valid (the models index the cache directly)."""
+    case = make_case(rng, KVFormat.MODEL1, b=2, s_q=2, h_q=16, topk=256, page_size=64, num_blocks=16, invalid_fraction=0.0)
+    return soften(case)
+
+
+def _model1_bound(case, ref_out):
+    """assert_out_close's elementwise rule: |out - ref| <= atol or <= rtol |ref|."""
+    return np.maximum(OUT_ATOL, OUT_RTOL * np.abs(ref_out))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="0:25", help="START:STOP")
+    ap.add_argument("--format", default="V32", choices=("V32", "MODEL1"),
+                    help="V32: the non-power-of-two scale test at 16 and 64 heads; MODEL1: 16-head "
+                         "shape-test cases for the port's RoPE value dims (small_rs_model1.patch)")
     args = ap.parse_args(argv)
     seeds = range(*map(int, args.seeds.split(":")))
     ref = jax.jit(reference.sparse_mla_decode, static_argnames=("sm_scale",))
     failed = False
-    for h_q in (16, 64):
-        # per model: out's largest excess over the test's bound, lse's largest |error| / tolerance
-        worst = {m: [-np.inf, 0.0] for m in ("rule", "f16")}
+    if args.format == "V32":
+        kinds = [(f"h_q {h_q}", lambda rng, h_q=h_q: v32_scales_case(rng, h_q), v32_scales_bound) for h_q in (16, 64)]
+    else:
+        kinds = [("MODEL1 h_q 16", _model1_case, _model1_bound)]
+    for name, make, bound_of in kinds:
+        # per model: out's largest excess over the test's bound, lse's largest |error| / tolerance,
+        # and the whole tensor's cosine difference / OUT_COS_DIFF
+        worst = {m: [-np.inf, 0.0, 0.0] for m in ("rule", "f16")}
         for seed in seeds:
-            case = v32_scales_case(np.random.default_rng(seed), h_q)
+            case = make(np.random.default_rng(seed))
             ref_out, ref_lse = ref(**case)
             r = np.asarray(ref_out.astype(np.float32)).astype(np.float64)
             rl = np.asarray(ref_lse).astype(np.float64)
-            bound = v32_scales_bound(case, r)
+            bound = bound_of(case, r)
             for m in worst:
                 a, al = model_decode(case, m)
                 excess = np.abs(a - r) - bound
-                failed |= bool(np.isnan(excess).any() or (excess > 0).any())
+                cos = (1.0 - 2.0 * np.sum(a * r) / np.sum(a * a + r * r)) / OUT_COS_DIFF
+                failed |= bool(np.isnan(excess).any() or (excess > 0).any() or not cos < 1.0)
                 failed |= bool(out_of_tolerance(al, rl, LSE_ATOL, LSE_RTOL).any())
                 used = np.abs(al - rl) / np.maximum(LSE_ATOL, LSE_RTOL * np.abs(rl))
-                worst[m][0] = max(worst[m][0], float(np.nanmax(excess)))
-                worst[m][1] = max(worst[m][1], float(np.nanmax(used)))
-        print(f"h_q {h_q}, seeds {seeds.start}:{seeds.stop}: per model, the largest out excess over the "
-              f"test's bound (<= 0 holds) and |lse error| / tolerance (<= 1 holds): {worst}", flush=True)
+                worst[m] = [max(worst[m][0], float(np.nanmax(excess))), max(worst[m][1], float(np.nanmax(used))),
+                            max(worst[m][2], float(cos))]
+        print(f"{name}, seeds {seeds.start}:{seeds.stop}: per model, the largest out excess over the "
+              f"test's bound (<= 0 holds), |lse error| / tolerance and cosine difference / bound "
+              f"(< 1 hold): {worst}", flush=True)
     return int(failed)
 
 
