@@ -31,16 +31,6 @@ constexpr int kChunks = 9;                // 8 chunks of codes + the RoPE pair, 
 enum Mode { kBf16, kF16, kNone, kModes };
 const char* kModeNames[kModes] = {"bf16", "f16", "none"};
 
-// One m64n16k16 RS product of the kernel (decode_small_rs.cuh), in f16 or bf16.
-template <bool kF16Products>
-__device__ __forceinline__ void mma_rs(float* d, const uint32_t* a, uint64_t desc_b) {
-  if constexpr (kF16Products) {
-    wgmma_m64n16k16_rs_f16(d, a, desc_b);
-  } else {
-    wgmma_m64n16k16_rs(d, a, desc_b);
-  }
-}
-
 // Four codes (a word) -> the two A registers of one row: codes 0, 1 and codes 2, 3.
 template <int kMode>
 __device__ __forceinline__ void convert(uint32_t w, uint32_t scale2, uint32_t& lo, uint32_t& hi) {
@@ -92,7 +82,7 @@ __global__ void __launch_bounds__(256, 1) convert_kernel(float* sink, long long*
       wgmma_fence();
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        mma_rs<kMode == kF16>(s, aj + 4 * i, dq + static_cast<uint64_t>((4 * j + i) * 2 * 16 * 16 / 16));
+        wgmma_m64n16k16_rs<kMode == kF16>(s, aj + 4 * i, dq + static_cast<uint64_t>((4 * j + i) * 2 * 16 * 16 / 16));
       wgmma_commit();
     }
     wgmma_wait<0>();

@@ -69,17 +69,6 @@ struct SmemRs {
   static_assert(kBytes <= 232448, "shared memory over the sm_90 per-block limit");
 };
 
-// The dim (of the token's 576) of the first of the pair (k-step ks, quad column cc, half
-// u) of S^T's permuted K order: in k-steps 4J .. 4J + 3 thread cc reads dims
-// 64 J + 16 cc .. + 15 of the codes; in the RoPE k-steps, two 8-dim chunks (cc, cc + 4).
-template <KVFormat F>
-__device__ __forceinline__ int rs_dim(int ks, int cc, int u) {
-  const int j = ks >> 2;
-  const int local = 4 * (ks & 3) + 2 * u;
-  if (j < Fmt<F>::kNope / 64) return 64 * j + 16 * cc + local;
-  return Fmt<F>::kNope + (local < 8 ? 8 * cc + local : 32 + 8 * cc + local - 8);
-}
-
 // The stage's `full` barrier counts this thread's earlier cp.asyncs (one of its arrivals).
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
@@ -98,30 +87,6 @@ __device__ __forceinline__ float lds_f32(uint32_t addr) {
 }
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
-
-// D(64x16) += A(64x16, registers) B(16x16, smem, K-major).
-__device__ __forceinline__ void wgmma_m64n16k16_rs(float* d, const uint32_t* a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " JSM_ACC8_REGS
-      ", {%8, %9, %10, %11}, %12, p, %14, %15, %16;\n}\n"
-      : JSM_ACC8(JSM_INOUT, d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA), "n"(kScaleB),
-        "n"(kKMajor)
-      : "memory");
-}
-
-// The same product in f16 (A and B f16, fp32 accumulators).
-__device__ __forceinline__ void wgmma_m64n16k16_rs_f16(float* d, const uint32_t* a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 " JSM_ACC8_REGS
-      ", {%8, %9, %10, %11}, %12, p, %14, %15, %16;\n}\n"
-      : JSM_ACC8(JSM_INOUT, d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA), "n"(kScaleB),
-        "n"(kKMajor)
-      : "memory");
-}
 
 // Four e4m3 codes (the first in the low byte) as f16 pairs, exactly: codes 0, 1 in `lo`.
 __device__ __forceinline__ void codes_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
@@ -155,14 +120,12 @@ __device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, uint32
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-// Whether the producer copies a whole row with one bulk copy (16-byte aligned V32 rows) or
-// with cp.async pieces (the per-piece bookkeeping made that producer the wall: NOTES,
-// session 21). A stage's `full` then counts 64 arrivals (one a row) and the rows' bytes,
-// else each producer thread's cp.asyncs and 4 arrivals (the valid words).
-template <KVFormat F, bool kAligned>
-constexpr bool kBulkRows = kAligned && F == KVFormat::kV32;
-template <KVFormat F, bool kAligned>
-constexpr int kRsFullArrivals = kBulkRows<F, kAligned> ? kTokens : kWarpgroup + 4;
+// The producer copies a 16-byte aligned row with one bulk copy, an unaligned one in 8-byte
+// cp.async pieces (the per-piece bookkeeping of 16-byte pieces made that producer the wall:
+// NOTES, session 21). A stage's `full` counts 64 arrivals (one a row) and the rows' bytes, or
+// each producer thread's cp.asyncs and 4 arrivals (the valid words).
+template <bool kAligned>
+constexpr int kRsFullArrivals = kAligned ? kTokens : kWarpgroup + 4;
 
 // Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to
 // this CTA's smem; completion counts on mbarrier `bar` as transaction bytes.
@@ -177,13 +140,13 @@ __device__ __forceinline__ void sts128_zero(uint32_t addr) {
 }
 
 // Producer warpgroup: warp pw fills rows 16 pw .. 16 pw + 15 of every block (lane j < 16
-// resolves entry 16 pw + j, a block ahead of its copies): a bulk copy a row, or cp.async
-// pieces of 16 bytes (kAligned) or 8.
+// resolves entry 16 pw + j, a block ahead of its copies).
 template <KVFormat F, bool kAligned>
 __device__ __forceinline__ void produce_rs(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem, int t) {
   using L = SmemRs<F, kSmallHeads>;
   using R = RawRow<F>;
-  constexpr int kCopy = kAligned ? 16 : 8;
+  static_assert(R::kV32, "V32 rows (MODEL1's scale bytes are not copied)");
+  constexpr int kCopy = 8;  // the pieces of an unaligned row
   constexpr int kPerRow = R::kDataBytes / kCopy;
   static_assert(kPerRow >= 32, "a copy index advances by at most one row");
   const int pw = t >> 5;
@@ -207,7 +170,7 @@ __device__ __forceinline__ void produce_rs(const Params& p, const Work& w, int s
     const uint32_t full = sb + L::kFull + 8 * stage;
     const uint32_t v = __ballot_sync(0xffffffffu, cur.data != nullptr) & 0xffffu;
     if (lane == 0) valid_words[4 * stage + pw] = v;  // (published by lane 0's arrival)
-    if (kBulkRows<F, kAligned>) {  // one bulk copy a row; zeros for an invalid entry
+    if (kAligned) {  // one bulk copy a row; zeros for an invalid entry
       if (lane < 16) {
         const uint32_t dst = tile + lane * kRsPitch;
         if (cur.data) {
@@ -230,21 +193,13 @@ __device__ __forceinline__ void produce_rs(const Params& p, const Work& w, int s
       if (row < 16) {
         const uint8_t* from = src ? reinterpret_cast<const uint8_t*>(src) + kCopy * piece : p.kv;
         const uint32_t dst = tile + row * kRsPitch + kCopy * piece;
-        if (kAligned) {
-          cp_async_16(dst, from, src ? 16u : 0u);
-        } else {
-          cp_async_8(dst, from, src ? 8u : 0u);
-        }
+        cp_async_8(dst, from, src ? 8u : 0u);
       }
       piece += 32;
       if (piece >= kPerRow) {
         piece -= kPerRow;
         ++row;
       }
-    }
-    if (!R::kV32 && lane < 16) {  // MODEL1: the 8 scale bytes (8-byte aligned in region B)
-      cp_async_8(tile + lane * kRsPitch + R::kScaleChunk * 16, cur.scales ? cur.scales : p.kv,
-                 cur.scales ? 8u : 0u);
     }
     cp_async_arrive_noinc(full);
     if (lane == 0) mbar_arrive(full);
@@ -289,7 +244,9 @@ __device__ __forceinline__ void q_fetch(const Params& p, int r, int s, int t, QR
   for (int m = 0; m < QRegs<F>::kRope; ++m) qr.rope[m] = ok ? __ldg(src + Fmt<F>::kNope / 2 + (t & 7) + 8 * m) : 0u;
 }
 
-// Logical k (S^T's permuted order, rs_dim's inverse) of NoPE dim d / RoPE dim r (even).
+// Logical k (S^T's permuted order: in k-steps 4J .. 4J + 3 quad column cc holds dims
+// 64 J + 16 cc .. + 15 of the codes; in the RoPE k-steps, the 8-dim chunks cc and cc + 4) of
+// NoPE dim d / RoPE dim r (even).
 template <KVFormat F>
 __device__ __forceinline__ int k_of_nope(int d) {
   const int l = d & 15;
@@ -446,9 +403,9 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
       for (int i = 0; i < 4; ++i) {
         const uint64_t db = dq + static_cast<uint64_t>((4 * j + i) * 2 * H * 16 / 16);
         if (j < kNopeJ) {
-          wgmma_m64n16k16_rs_f16(acc[j / kTileJ], aj + 4 * i, db);
+          wgmma_m64n16k16_rs<true>(acc[j / kTileJ], aj + 4 * i, db);
         } else {
-          wgmma_m64n16k16_rs(racc, aj + 4 * i, db);
+          wgmma_m64n16k16_rs<false>(racc, aj + 4 * i, db);
         }
       }
       wgmma_commit();
@@ -675,7 +632,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
       wgmma_fence();
 #pragma unroll
       for (int mt = 0; mt < 8; ++mt)
-        wgmma_m64n16k16_rs_f16(o + mt * kAcc, bk + 4 * mt, dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16));
+        wgmma_m64n16k16_rs<true>(o + mt * kAcc, bk + 4 * mt, dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16));
       wgmma_commit();
     }
     wgmma_wait<0>();
@@ -733,7 +690,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) decode_kernel_rs(const Params p
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int i = 0; i < kRsStages; ++i) {
-      mbar_init(sb + L::kFull + 8 * i, kRsFullArrivals<F, kAligned>);
+      mbar_init(sb + L::kFull + 8 * i, kRsFullArrivals<kAligned>);
       mbar_init(sb + L::kEmpty + 8 * i, 2 * kWarpgroup / 32);  // A's and B's warps
     }
   }

@@ -166,6 +166,28 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float* d, const uint32_t*
 // transposed V of O^T = V^T P^T); B is K-major.
 #define JSM_ACC8_REGS "{%0, %1, %2, %3, %4, %5, %6, %7}"
 
+// The same shape with A from registers (4 a thread), K-major B, in f16 (kF16) or bf16. (A
+// string operand for the types made ptxas emit 40 more instructions in decode_kernel_rs:
+// the type is pasted into the text instead.)
+#define JSM_WGMMA_M64N16K16_RS(TYPES)                                                                         \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                               \
+               "wgmma.mma_async.sync.aligned.m64n16k16.f32" TYPES " " JSM_ACC8_REGS                          \
+               ", {%8, %9, %10, %11}, %12, p, %14, %15, %16;\n}\n"                                          \
+               : JSM_ACC8(JSM_INOUT, d)                                                                      \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA),    \
+                 "n"(kScaleB), "n"(kKMajor)                                                                  \
+               : "memory")
+
+template <bool kF16>
+__device__ __forceinline__ void wgmma_m64n16k16_rs(float* d, const uint32_t* a, uint64_t desc_b) {
+  if constexpr (kF16) {
+    JSM_WGMMA_M64N16K16_RS(".f16.f16");
+  } else {
+    JSM_WGMMA_M64N16K16_RS(".bf16.bf16");
+  }
+}
+#undef JSM_WGMMA_M64N16K16_RS
+
 template <int kTransA>
 __device__ __forceinline__ void wgmma_m64n16k16_ss(float* d, uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
