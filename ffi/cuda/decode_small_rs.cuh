@@ -365,32 +365,45 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
     zero(racc);
     uint32_t a[2][16];
     const uint64_t dq = desc_k_major(sb + L::kQ, H);
-#pragma unroll
-    for (int j = 0; j < kJ; ++j) {
-      if (j >= 2) wgmma_wait<1>();  // the group that used a[j & 1] is done
-      uint32_t* aj = a[j & 1];
+    // The raw chunks of k-step group j: NoPE chunk 4 j + c of rows a, b (x[0], x[1]); RoPE
+    // chunks kRopeChunk + c (k-steps 0, 1: x[0], x[1]) and + 4 (2, 3: x[2], x[3]). Group j + 1's
+    // are loaded before group j converts, so that no conversion waits on its load.
+    const auto load_group = [&](int j, uint4(&x)[4]) {
       if (j < kNopeJ) {
-        const uint4 ra = lds128(row_a + (4 * j + c) * 16);
-        const uint4 rb = lds128(row_b + (4 * j + c) * 16);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          codes_f16(word(ra, i), aj[4 * i + 0], aj[4 * i + 2]);
-          codes_f16(word(rb, i), aj[4 * i + 1], aj[4 * i + 3]);
-        }
-      } else {  // RoPE dims, bf16 as stored: chunks kRopeChunk + c (k-steps 0, 1), + 4 (2, 3)
+        x[0] = lds128(row_a + (4 * j + c) * 16);
+        x[1] = lds128(row_b + (4 * j + c) * 16);
+      } else {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int ch = R::kRopeChunk + c + 4 * half;
-          const uint4 ra = lds128(row_a + ch * 16);
-          const uint4 rb = lds128(row_b + ch * 16);
+          x[2 * half] = lds128(row_a + (R::kRopeChunk + c + 4 * half) * 16);
+          x[2 * half + 1] = lds128(row_b + (R::kRopeChunk + c + 4 * half) * 16);
+        }
+      }
+    };
+    uint4 xg[2][4];
+    load_group(0, xg[0]);
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      if (j + 1 < kJ) load_group(j + 1, xg[(j + 1) & 1]);
+      if (j >= 2) wgmma_wait<1>();  // the group that used a[j & 1] is done
+      uint32_t* aj = a[j & 1];
+      const uint4(&x)[4] = xg[j & 1];
+      if (j < kNopeJ) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          codes_f16(word(x[0], i), aj[4 * i + 0], aj[4 * i + 2]);
+          codes_f16(word(x[1], i), aj[4 * i + 1], aj[4 * i + 3]);
+        }
+      } else {  // RoPE dims, bf16 as stored
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
-            aj[4 * (2 * half + i) + 0] = word(ra, 2 * i);
-            aj[4 * (2 * half + i) + 2] = word(ra, 2 * i + 1);
-            aj[4 * (2 * half + i) + 1] = word(rb, 2 * i);
-            aj[4 * (2 * half + i) + 3] = word(rb, 2 * i + 1);
+            aj[4 * (2 * half + i) + 0] = word(x[2 * half], 2 * i);
+            aj[4 * (2 * half + i) + 2] = word(x[2 * half], 2 * i + 1);
+            aj[4 * (2 * half + i) + 1] = word(x[2 * half + 1], 2 * i);
+            aj[4 * (2 * half + i) + 3] = word(x[2 * half + 1], 2 * i + 1);
           }
-        }
       }
       if (j == kJ - 1) release_tile<1>(sb + L::kEmpty + 8 * stage, 0);  // A's loads of the stage are done
       if (j == 0) {
@@ -542,6 +555,16 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     const int pb = n & 1;
 
     mbar_wait(sb + L::kFull + 8 * stage, (n / kRsStages) & 1);
+    // The 4 raw chunks (dims 16 q .. + 15) of k-step ks's tokens bh = 0 .. 3; each k-step's are
+    // loaded one k-step ahead (the first before A's P^T is waited for), so that no conversion
+    // waits on its load.
+    const auto load_rows = [&](int ks, uint4(&rv)[4]) {
+#pragma unroll
+      for (int bh = 0; bh < 4; ++bh)
+        rv[bh] = lds128(raw + (16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c) * kRsPitch + q * 16);
+    };
+    uint4 rvs[2][4];
+    load_rows(0, rvs[0]);
     // The scales of the thread's 16 tokens (k-step ks: tokens 16 ks + 4 b + 8 h + c, bh = b + 2 h).
     float sv[16];
     float smax = 0.f;
@@ -596,14 +619,10 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     uint32_t b[2][32];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
+      if (ks + 1 < 4) load_rows(ks + 1, rvs[(ks + 1) & 1]);
       if (ks >= 2) wgmma_wait<1>();
       uint32_t* bk = b[ks & 1];
-      uint4 rv[4];
-#pragma unroll
-      for (int bh = 0; bh < 4; ++bh) {
-        const int tok = 16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c;
-        rv[bh] = lds128(raw + tok * kRsPitch + q * 16);
-      }
+      const uint4(&rv)[4] = rvs[ks & 1];
       const float* s4 = sv + 4 * ks;  // scales of the pairs' tokens: (0, 1) in x0, x1; (2, 3) in x2, x3
       if (!exact_a) {
         const uint32_t sc01 = pack_f16x2(s4[0] * inv_c, s4[1] * inv_c);
