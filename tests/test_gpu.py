@@ -70,7 +70,7 @@ V32, MODEL1 = jsm.KVFormat.V32, jsm.KVFormat.MODEL1
 def head_id(h_q):
     """Test ids "h16", "h64", ...: `-k h16` selects the few-heads kernel's instances (h_q <= 16
     runs ffi/cuda/decode_small_rs.cuh for V32 and decode_small.cuh for MODEL1; the tests with a
-    fixed h_q of 16 run them too)."""
+    fixed h_q of 16 run them too; test_few_heads_32 runs decode_small_rs.cuh at 32 heads)."""
     return f"h{h_q}"
 
 
@@ -118,10 +118,34 @@ def test_conformance(path):
 # ---- shapes and features ------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
-@pytest.mark.parametrize("h_q", [1, 16, 32, 64, 96, 128], ids=head_id)
+@pytest.mark.parametrize("h_q", [1, 16, 24, 32, 64, 96, 128], ids=head_id)
 def test_heads(fmt, h_q):
     case = make_case(fresh_rng(), fmt, b=2, s_q=2, h_q=h_q, topk=70, page_size=64, num_blocks=8, with_sink=True)
     _check(case)
+
+
+# V32 calls of 17-32 heads run decode_small_rs.cuh's 32-head kernel only when the plan gives
+# its workers at least 4 blocks each on average (ffi/cuda/decode_launch.cu); smaller calls run
+# the 64-row kernel. These cases are large enough for the 32-head kernel, with each feature.
+FEW_HEADS_32 = {
+    "sink_lengths_extra": dict(b=12, topk=1500, page_size=64, num_blocks=32, with_sink=True, with_lengths=True,
+                               extra_topk=200, extra_num_blocks=8),
+    "pages_of_61": dict(b=12, topk=1500, page_size=61, num_blocks=34, with_sink=True),
+    "garbage_and_empty_rows": dict(b=12, topk=1500, page_size=64, num_blocks=32, invalid_fraction=0.4,
+                                   empty_row=True),
+}
+
+
+@pytest.mark.parametrize("num_parts", [None, 7])
+@pytest.mark.parametrize("variant", list(FEW_HEADS_32))
+@pytest.mark.parametrize("h_q", [24, 32], ids=head_id)
+def test_few_heads_32(h_q, variant, num_parts):
+    kw = FEW_HEADS_32[variant]
+    case = make_case(fresh_rng(), V32, s_q=2, h_q=h_q, **kw)
+    plan = _plan(_on(case, GPU), num_parts=num_parts)
+    blocks = kw["b"] * (-(-kw["topk"] // 64) + -(-kw.get("extra_topk", 0) // 64))
+    assert blocks // plan.num_parts >= 4, "the case must be large enough for the 32-head kernel"
+    _check(case, plan=plan)
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])

@@ -1,5 +1,7 @@
 // Launch configuration of the decode kernel (decode_kernel.cuh): which variant, the grid,
 // clusters of two CTAs when every cluster is resident at once.
+#include <algorithm>
+
 #include <cuda_runtime.h>
 
 #include "cuda/decode_kernel.cuh"
@@ -44,8 +46,10 @@ ffi::Error allow_smem(Kernel kernel, int bytes) {
 template <KVFormat F>
 ffi::Error set_up_device(DeviceSetup& d) {
   if constexpr (F == KVFormat::kV32) {
-    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kSmallHeads, false>, SmemRs<F, kSmallHeads>::kBytes));
-    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kSmallHeads, true>, SmemRs<F, kSmallHeads>::kBytes));
+    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 16, false>, SmemRs<F, 16>::kBytes));
+    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 16, true>, SmemRs<F, 16>::kBytes));
+    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 32, false>, SmemRs<F, 32>::kBytes));
+    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 32, true>, SmemRs<F, 32>::kBytes));
   }
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_small<F, kSmallHeads, false>, SmemSmall<F, kSmallHeads>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_small<F, kSmallHeads, true>, SmemSmall<F, kSmallHeads>::kBytes));
@@ -64,19 +68,39 @@ ffi::Error set_up_device(DeviceSetup& d) {
   return ffi::Error::Success();
 }
 
-// Up to kSmallHeads heads (a tensor-parallel shard of 8): the transposed kernels
-// (decode_small_rs.cuh for V32, decode_small.cuh for MODEL1), one CTA per (worker, query
-// row). Not for a batch-invariant plan: its results must equal those heads of a wider call
-// bit for bit, and these kernels round differently.
-bool use_small_kernel(const DecodeProblem& dp) { return dp.h_q <= kSmallHeads && !dp.batch_invariant; }
+// The 32-head register-A kernel runs a call when its workers have at least this many blocks
+// each on average: it wins at b = 128 (V32 s_q = 2, top-2048: 169 µs against the 64-row
+// kernel's 203) and loses when a worker has a block or less (b = 1: 21.1 µs against 15.2).
+// The crossover between has not been measured.
+constexpr int64_t kRs32MinBlocksPerWorker = 4;
+
+int64_t blocks_per_worker(const DecodeProblem& dp) {
+  const int64_t per_request = (dp.topk + kTokens - 1) / kTokens + (dp.extra_topk + kTokens - 1) / kTokens;
+  return static_cast<int64_t>(dp.batch) * per_request / std::max(dp.num_parts, 1);
+}
+
+// Few heads (tensor-parallel shards of 8 and 4): the transposed kernels, one CTA per
+// (worker, query row): decode_small_rs.cuh for V32 (16 heads or fewer; up to kRsMaxHeads
+// with enough blocks a worker), decode_small.cuh for MODEL1 up to kSmallHeads. Not for a
+// batch-invariant plan: its results must equal those heads of a wider call bit for bit, and
+// these kernels round differently.
+bool use_small_kernel(const DecodeProblem& dp) {
+  if (dp.batch_invariant) return false;
+  if (dp.h_q <= kSmallHeads) return true;
+  return dp.format == KVFormat::kV32 && dp.h_q <= kRsMaxHeads && blocks_per_worker(dp) >= kRs32MinBlocksPerWorker;
+}
+
+template <KVFormat F, int H, bool kAligned>
+ffi::Error launch_rs(const DecodeProblem& dp, const Params& p, cudaStream_t stream) {
+  decode_kernel_rs<F, H, kAligned><<<dim3(dp.num_parts, dp.s_q, 1), kRsThreads, SmemRs<F, H>::kBytes, stream>>>(p);
+  return check_launch("decode_kernel_rs");
+}
 
 template <KVFormat F, bool kAligned>
 ffi::Error launch_variant(const DecodeProblem& dp, const Params& p, bool pairs, cudaStream_t stream) {
   if (use_small_kernel(dp)) {
     if constexpr (F == KVFormat::kV32) {
-      decode_kernel_rs<F, kSmallHeads, kAligned>
-          <<<dim3(dp.num_parts, dp.s_q, 1), kRsThreads, SmemRs<F, kSmallHeads>::kBytes, stream>>>(p);
-      return check_launch("decode_kernel_rs");
+      return dp.h_q <= 16 ? launch_rs<F, 16, kAligned>(dp, p, stream) : launch_rs<F, 32, kAligned>(dp, p, stream);
     }
     decode_kernel_small<F, kSmallHeads, kAligned>
         <<<dim3(dp.num_parts, dp.s_q, 1), kSmallThreads, SmemSmall<F, kSmallHeads>::kBytes, stream>>>(p);

@@ -1,4 +1,5 @@
-// The few-heads decode kernel for V32 caches (h_q <= 16; MODEL1 runs decode_small.cuh's) with
+// The few-heads decode kernel for V32 caches (h_q <= 32, as H = 16 or 32 heads; MODEL1 runs
+// decode_small.cuh's) with
 // the dequantization in the consumers. decode_small.cuh's producers write every token as bf16
 // into a shared K tile that wgmma then reads twice (S^T and O^T); here the cache bytes stay raw:
 //   producer warpgroup: one bulk copy per 656-byte row (16-byte aligned caches; cp.async
@@ -28,11 +29,16 @@ constexpr int kRsStages = 4;
 // 16-byte unit (2 row + chunk) mod 8 then takes each value 4 times (the 4-wavefront minimum).
 constexpr int kRsPitch = 672;
 constexpr int kRsThreads = 3 * kWarpgroup;  // S^T + softmax, O^T, producer
-// Registers after reallocation (the launch gives 168; 184 + 216 + 104 = 504).
-constexpr int kRsRegsQK = 184;
-constexpr int kRsRegsPV = 216;
-constexpr int kRsRegsProducer = 104;
-static_assert(kRsRegsQK + kRsRegsPV + kRsRegsProducer <= 3 * 168, "setmaxnreg counts over the launch's");
+constexpr int kRsMaxHeads = 32;
+// Registers after reallocation (the launch gives 168 a thread, 504 for the three). At 32
+// heads O^T alone is 128 floats a thread of B.
+template <int H>
+struct RsRegs {
+  static constexpr int kQK = H == 16 ? 184 : 192;
+  static constexpr int kPV = H == 16 ? 216 : 248;
+  static constexpr int kProducer = H == 16 ? 104 : 64;
+  static_assert(kQK + kPV + kProducer <= 3 * 168, "setmaxnreg counts over the launch's");
+};
 // Named barriers (0 is __syncthreads).
 constexpr int kRsBarQ = 1;       // A: its Q copies have landed
 constexpr int kRsBarRed = 2;     // A: the per-warp column reductions are in smem
@@ -141,9 +147,9 @@ __device__ __forceinline__ void sts128_zero(uint32_t addr) {
 
 // Producer warpgroup: warp pw fills rows 16 pw .. 16 pw + 15 of every block (lane j < 16
 // resolves entry 16 pw + j, a block ahead of its copies).
-template <KVFormat F, bool kAligned>
+template <KVFormat F, int H, bool kAligned>
 __device__ __forceinline__ void produce_rs(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem, int t) {
-  using L = SmemRs<F, kSmallHeads>;
+  using L = SmemRs<F, H>;
   using R = RawRow<F>;
   static_assert(R::kV32, "V32 rows (MODEL1's scale bytes are not copied)");
   constexpr int kCopy = 8;  // the pieces of an unaligned row
@@ -221,8 +227,9 @@ __device__ __forceinline__ void produce_rs(const Params& p, const Work& w, int s
 //     rows lie in one tile): O^T is kept in units of c and rescaled (exactly) when c changes.
 //     P^T in f16.
 
-// Q of (request r, query row s) for the f16 products, fetched into registers (thread t: head
-// t / 8, bf16 pairs t % 8 + 8 m of its NoPE and RoPE dims) ahead of q_store.
+// Q of (request r, query row s) for the f16 products, 16 heads from h0 at a time, fetched into
+// registers (thread t: head h0 + t / 8, bf16 pairs t % 8 + 8 m of its NoPE and RoPE dims)
+// ahead of q_store.
 template <KVFormat F>
 struct QRegs {
   static constexpr int kNope = Fmt<F>::kNope / 2 / 8;
@@ -231,10 +238,9 @@ struct QRegs {
   uint32_t rope[kRope];
 };
 
-template <KVFormat F, int H>
-__device__ __forceinline__ void q_fetch(const Params& p, int r, int s, int t, QRegs<F>& qr) {
-  static_assert(H * 8 == kWarpgroup, "8 threads a head");
-  const int h = t >> 3;
+template <KVFormat F>
+__device__ __forceinline__ void q_fetch(const Params& p, int r, int s, int t, int h0, QRegs<F>& qr) {
+  const int h = h0 + (t >> 3);  // 8 threads a head
   const bool ok = h < p.h_q;
   const uint32_t* src = reinterpret_cast<const uint32_t*>(
       p.q + ((static_cast<int64_t>(r) * p.s_q + s) * p.h_q + (ok ? h : 0)) * Fmt<F>::kDqk);
@@ -259,10 +265,11 @@ __device__ __forceinline__ int k_of_rope(int r) {
   return 16 * (4 * (Fmt<F>::kNope / 64) + (l >> 2)) + 8 * ((l >> 1) & 1) + 2 * cc;
 }
 
-// Stores the fetched Q into smem (`q_s`) and each head's 2^-k_h into qb_s[h].
+// Stores the fetched Q (heads h0 .. h0 + 15) into smem (`q_s`, H heads wide) and each head's
+// 2^-k_h into qb_s[h].
 template <KVFormat F, int H>
-__device__ __forceinline__ void q_store(const QRegs<F>& qr, uint8_t* q_s, float* qb_s, int t) {
-  const int h = t >> 3;
+__device__ __forceinline__ void q_store(const QRegs<F>& qr, uint8_t* q_s, float* qb_s, int t, int h0) {
+  const int h = h0 + (t >> 3);
   float mx = 0.f;
 #pragma unroll
   for (int m = 0; m < QRegs<F>::kNope; ++m)
@@ -295,7 +302,7 @@ __device__ __forceinline__ float bf16_round(float x) { return __uint_as_float(pa
 // block ahead of B at most (two buffers).
 template <KVFormat F, int H>
 __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
-  static_assert(H == 16 && F == KVFormat::kV32, "m64n16 products over V32 rows");
+  static_assert((H == 16 || H == 32) && F == KVFormat::kV32, "m64n16 or m64n32 products over V32 rows");
   using L = SmemRs<F, H>;
   using R = RawRow<F>;
   constexpr int kAcc = H / 2;
@@ -316,8 +323,10 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
 
   Cursor cur;
   cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  // 16 heads' Q is fetched a request ahead; 32 heads' (twice the registers) when it is stored.
+  constexpr bool kQAhead = H == 16;
   QRegs<F> qr;
-  q_fetch<F, H>(p, cur.r, s, t, qr);
+  if (kQAhead) q_fetch<F>(p, cur.r, s, t, 0, qr);
   bool q_pending = true;
   float qb[kCols];
   int pieces = 0;
@@ -337,7 +346,15 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
     const uint32_t raw = sb + L::kRaw + stage * L::kRawTile;
 
     if (q_pending) {  // (the last request's products are done: every warp passed the softmax)
-      q_store<F, H>(qr, smem + L::kQ, qb_s, t);
+      if (kQAhead) {
+        q_store<F, H>(qr, smem + L::kQ, qb_s, t, 0);
+      } else {
+        QRegs<F> qr2;
+        q_fetch<F>(p, cur.r, s, t, 0, qr);
+        q_fetch<F>(p, cur.r, s, t, 16, qr2);
+        q_store<F, H>(qr, smem + L::kQ, qb_s, t, 0);
+        q_store<F, H>(qr2, smem + L::kQ, qb_s, t, 16);
+      }
       fence_proxy_async();
       named_bar_sync(kRsBarQ, kWarpgroup);
 #pragma unroll
@@ -416,9 +433,9 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
       for (int i = 0; i < 4; ++i) {
         const uint64_t db = dq + static_cast<uint64_t>((4 * j + i) * 2 * H * 16 / 16);
         if (j < kNopeJ) {
-          wgmma_m64n16k16_rs<true>(acc[j / kTileJ], aj + 4 * i, db);
+          wgmma_m64nNk16_rs<true, H>(acc[j / kTileJ], aj + 4 * i, db);
         } else {
-          wgmma_m64n16k16_rs<false>(racc, aj + 4 * i, db);
+          wgmma_m64nNk16_rs<false, H>(racc, aj + 4 * i, db);
         }
       }
       wgmma_commit();
@@ -428,7 +445,7 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
     for (int k = 0; k < kTiles; ++k) pin(acc[k]);
     pin(racc);
     if (last && nx.r <= w.end_req) {  // every QK of this request is done: fetch the next Q
-      q_fetch<F, H>(p, nx.r, s, t, qr);
+      if (kQAhead) q_fetch<F>(p, nx.r, s, t, 0, qr);
       q_pending = true;
     }
     float sacc[kAcc];
@@ -507,10 +524,12 @@ __device__ __forceinline__ uint32_t f16x2_mul_f32(uint32_t x, float lo, float hi
   return pack_f16x2(a * lo, b * hi);
 }
 
-// bk[4 mt .. 4 mt + 3] with a runtime mt (the exact path's loop is not unrolled: it is rare).
+// bk[4 mt .. 4 mt + 3] (of kMt m-tiles) with a runtime mt (the exact path's loop is not
+// unrolled: it is rare).
+template <int kMt>
 __device__ __forceinline__ void bk_set(uint32_t* bk, int mt, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
 #pragma unroll
-  for (int m = 0; m < 8; ++m)
+  for (int m = 0; m < kMt; ++m)
     if (m == mt) {
       bk[4 * m + 0] = a0;
       bk[4 * m + 1] = a1;
@@ -563,7 +582,8 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
       for (int bh = 0; bh < 4; ++bh)
         rv[bh] = lds128(raw + (16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c) * kRsPitch + q * 16);
     };
-    uint4 rvs[2][4];
+    constexpr bool kRowsAhead = H == 16;  // (at 32 heads the registers are not there)
+    uint4 rvs[kRowsAhead ? 2 : 1][4];
     load_rows(0, rvs[0]);
     // The scales of the thread's 16 tokens (k-step ks: tokens 16 ks + 4 b + 8 h + c, bh = b + 2 h).
     float sv[16];
@@ -616,42 +636,49 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     }
 
     const uint64_t dp_ = desc_k_major(sb + L::kP + pb * L::kPBytes, H);
-    uint32_t b[2][32];
+    // Each k-step's 8 m-tiles go to the tensor cores in kGroups commit groups of kMtG; a group's
+    // A fragments are double-buffered (at 32 heads a whole k-step's would cost 64 registers).
+    constexpr int kGroups = H == 16 ? 1 : 2;
+    constexpr int kMtG = 8 / kGroups;
+    uint32_t b[2][4 * kMtG];
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      if (ks + 1 < 4) load_rows(ks + 1, rvs[(ks + 1) & 1]);
-      if (ks >= 2) wgmma_wait<1>();
-      uint32_t* bk = b[ks & 1];
-      const uint4(&rv)[4] = rvs[ks & 1];
+    for (int gn = 0; gn < 4 * kGroups; ++gn) {  // group gn: k-step ks, m-tiles m0 ..
+      const int ks = gn / kGroups;
+      const int m0 = gn % kGroups * kMtG;
+      if (kRowsAhead && m0 == 0 && ks + 1 < 4) load_rows(ks + 1, rvs[(ks + 1) & 1]);
+      if (!kRowsAhead && m0 == 0 && ks > 0) load_rows(ks, rvs[0]);
+      const uint4(&rv)[4] = rvs[kRowsAhead ? ks & 1 : 0];
       const float* s4 = sv + 4 * ks;  // scales of the pairs' tokens: (0, 1) in x0, x1; (2, 3) in x2, x3
+      if (gn >= 2) wgmma_wait<1>();  // the group that used b[gn & 1] is done
+      uint32_t* bk = b[gn & 1];
       if (!exact_a) {
         const uint32_t sc01 = pack_f16x2(s4[0] * inv_c, s4[1] * inv_c);
         const uint32_t sc23 = pack_f16x2(s4[2] * inv_c, s4[3] * inv_c);
 #pragma unroll
-        for (int mt = 0; mt < 8; ++mt) {
+        for (int mi = 0; mi < kMtG; ++mi) {
           uint32_t x0, x1, x2, x3;
-          pv_codes(rv, mt, x0, x1, x2, x3);
-          bk[4 * mt + 0] = f16x2_mul(x0, sc01);
-          bk[4 * mt + 1] = f16x2_mul(x1, sc01);
-          bk[4 * mt + 2] = f16x2_mul(x2, sc23);
-          bk[4 * mt + 3] = f16x2_mul(x3, sc23);
+          pv_codes(rv, m0 + mi, x0, x1, x2, x3);
+          bk[4 * mi + 0] = f16x2_mul(x0, sc01);
+          bk[4 * mi + 1] = f16x2_mul(x1, sc01);
+          bk[4 * mi + 2] = f16x2_mul(x2, sc23);
+          bk[4 * mi + 3] = f16x2_mul(x3, sc23);
         }
       } else {
         const float r0 = s4[0] * inv_c, r1 = s4[1] * inv_c, r2 = s4[2] * inv_c, r3 = s4[3] * inv_c;
 #pragma unroll 1
-        for (int mt = 0; mt < 8; ++mt) {
+        for (int mi = 0; mi < kMtG; ++mi) {
           uint32_t x0, x1, x2, x3;
-          pv_codes(rv, mt, x0, x1, x2, x3);
-          bk_set(bk, mt, f16x2_mul_f32(x0, r0, r1), f16x2_mul_f32(x1, r0, r1), f16x2_mul_f32(x2, r2, r3),
-                 f16x2_mul_f32(x3, r2, r3));
+          pv_codes(rv, m0 + mi, x0, x1, x2, x3);
+          bk_set<kMtG>(bk, mi, f16x2_mul_f32(x0, r0, r1), f16x2_mul_f32(x1, r0, r1), f16x2_mul_f32(x2, r2, r3),
+                       f16x2_mul_f32(x3, r2, r3));
         }
       }
-      if (ks == 3) release_tile<1>(sb + L::kEmpty + 8 * stage, 0);  // B's loads of the stage are done
-      if (ks == 0) pin(o);
+      if (gn == 4 * kGroups - 1) release_tile<1>(sb + L::kEmpty + 8 * stage, 0);  // B's loads are done
+      if (gn == 0) pin(o);
       wgmma_fence();
 #pragma unroll
-      for (int mt = 0; mt < 8; ++mt)
-        wgmma_m64n16k16_rs<true>(o + mt * kAcc, bk + 4 * mt, dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16));
+      for (int mi = 0; mi < kMtG; ++mi)
+        wgmma_m64nNk16_rs<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi, dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16));
       wgmma_commit();
     }
     wgmma_wait<0>();
@@ -716,13 +743,13 @@ __global__ void __launch_bounds__(kRsThreads, 1) decode_kernel_rs(const Params p
   __syncthreads();
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
   if (wg == 2) {
-    setmaxnreg_dec<kRsRegsProducer>();
-    produce_rs<F, kAligned>(p, w, s, sb, smem, threadIdx.x - 2 * kWarpgroup);
+    setmaxnreg_dec<RsRegs<H>::kProducer>();
+    produce_rs<F, H, kAligned>(p, w, s, sb, smem, threadIdx.x - 2 * kWarpgroup);
   } else if (wg == 1) {
-    setmaxnreg_inc<kRsRegsPV>();
+    setmaxnreg_inc<RsRegs<H>::kPV>();
     consume_pv_f16<F, H>(p, w, s, sb, smem);
   } else {
-    setmaxnreg_inc<kRsRegsQK>();
+    setmaxnreg_inc<RsRegs<H>::kQK>();
     consume_qk_f16<F, H>(p, w, s, sb, smem);
   }
 }

@@ -178,15 +178,34 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float* d, const uint32_t*
                  "n"(kScaleB), "n"(kKMajor)                                                                  \
                : "memory")
 
-template <bool kF16>
-__device__ __forceinline__ void wgmma_m64n16k16_rs(float* d, const uint32_t* a, uint64_t desc_b) {
-  if constexpr (kF16) {
+// N = 32 (16 accumulators a thread), for 32-head shards.
+#define JSM_ACC16_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define JSM_ACC16(k, d) JSM_ACC8(k, (d)), JSM_ACC8(k, (d + 8))
+#define JSM_WGMMA_M64N32K16_RS(TYPES)                                                                         \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                               \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32" TYPES " " JSM_ACC16_REGS                         \
+               ", {%16, %17, %18, %19}, %20, p, %22, %23, %24;\n}\n"                                       \
+               : JSM_ACC16(JSM_INOUT, d)                                                                     \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA),    \
+                 "n"(kScaleB), "n"(kKMajor)                                                                  \
+               : "memory")
+
+// D(64 x N) += A B with A from registers: N = 16 or 32, f16 (kF16) or bf16 inputs.
+template <bool kF16, int N>
+__device__ __forceinline__ void wgmma_m64nNk16_rs(float* d, const uint32_t* a, uint64_t desc_b) {
+  static_assert(N == 16 || N == 32, "m64n16k16 or m64n32k16");
+  if constexpr (N == 16 && kF16) {
     JSM_WGMMA_M64N16K16_RS(".f16.f16");
-  } else {
+  } else if constexpr (N == 16) {
     JSM_WGMMA_M64N16K16_RS(".bf16.bf16");
+  } else if constexpr (kF16) {
+    JSM_WGMMA_M64N32K16_RS(".f16.f16");
+  } else {
+    JSM_WGMMA_M64N32K16_RS(".bf16.bf16");
   }
 }
 #undef JSM_WGMMA_M64N16K16_RS
+#undef JSM_WGMMA_M64N32K16_RS
 
 template <int kTransA>
 __device__ __forceinline__ void wgmma_m64n16k16_ss(float* d, uint64_t desc_a, uint64_t desc_b) {
