@@ -1,8 +1,8 @@
 // The CUDA decode kernel and the combine after it, launched without JAX, for
 // compute-sanitizer: random cache bytes (NaN codes included), garbage indices (negative, past
 // the cache), random lengths, sinks, an extra cache, the few-heads kernels (16, 24, 32 heads),
-// solo CTAs (16 under a batch-invariant plan, 64 heads) and paired CTAs (128), aligned and
-// unaligned MODEL1 pages, the default plan, 7 parts, the batch-invariant plan and garbage
+// solo CTAs (16 under a batch-invariant plan, 32 with few blocks, 64) and paired CTAs (128),
+// aligned and unaligned MODEL1 pages, the default plan, 7 parts, the batch-invariant plan and garbage
 // plans. The combine runs its few-rows kernels (16 heads) and its row walk (128 heads: more
 // than 2 x 8 x 132 rows), on the plans' pieces and on garbage ones. It checks nothing numeric
 // (tests/test_gpu.py does): a run passes when every launch returns and the sanitizer reports
@@ -59,8 +59,10 @@ int main() {
       {"V32 h16 few-heads kernel, default plan", KVFormat::kV32, 3, 2, 16, 200, 0, 64, 64, 6, 0, 0},
       {"V32 h16 few-heads kernel, garbage plan, extra cache", KVFormat::kV32, 5, 2, 16, 130, 40, 64, 5, 5, 9, 3},
       {"V32 h16 solo (batch-invariant plan)", KVFormat::kV32, 4, 1, 16, 2200, 0, 64, 64, 40, 0, 2},
-      {"V32 h32 few-heads kernel (32), 7 parts", KVFormat::kV32, 3, 2, 32, 150, 70, 64, 5, 5, 20, 1},
-      {"V32 h24 few-heads kernel (32), garbage plan, extra cache", KVFormat::kV32, 5, 2, 24, 130, 40, 64, 5, 5, 9, 3},
+      // (the 32-head few-heads kernel needs >= 4 blocks a worker: decode_launch.cu)
+      {"V32 h32 few-heads kernel (32), 7 parts", KVFormat::kV32, 8, 2, 32, 300, 70, 64, 5, 5, 20, 1},
+      {"V32 h24 few-heads kernel (32), garbage plan, extra cache", KVFormat::kV32, 12, 2, 24, 600, 40, 64, 5, 12, 9, 3},
+      {"V32 h32 64-row kernel (a block a worker or less)", KVFormat::kV32, 3, 2, 32, 150, 70, 64, 5, 5, 20, 1},
       {"V32 h64 solo, 7 parts, extra cache", KVFormat::kV32, 3, 2, 64, 150, 70, 64, 5, 5, 20, 1},
       {"V32 h128 pairs, default plan, extra cache", KVFormat::kV32, 4, 2, 128, 300, 90, 64, 17, 8, 9, 0},
       {"V32 h128 pairs, batch-invariant plan", KVFormat::kV32, 4, 1, 128, 2200, 0, 64, 64, 40, 0, 2},
