@@ -1,0 +1,66 @@
+"""Where a warp-specialized kernel's time goes, role by role, from ncu's source counters.
+
+`device_run.sh` stage `ncu` leaves `ncu_source.csv` (one SASS line a row, with instruction
+counts and warp-stall samples). The roles of decode_kernel_rs / decode_kernel start at their
+`setmaxnreg` (USETMAXREG), so the SASS is split there: region 1 is the code after the first
+USETMAXREG, and so on (decode_kernel_rs: 1 = warpgroup A, 2 = B, 3 = the producer, plus any
+out-of-line code the compiler put at the end).
+
+    python3 benchmarks/ncu_roles.py ncu_source.csv                 # instructions, top stalls per region
+    python3 benchmarks/ncu_roles.py ncu_source.csv --hot 1 --blocks 8192 --warps 4   # region 1's hottest lines
+"""
+import argparse
+import csv
+
+
+def read(path):
+    rows = list(csv.reader(open(path)))
+    start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    header = rows[start]
+    return header, [r for r in rows[start + 1:] if len(r) >= len(header)]
+
+
+def number(text):
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv")
+    ap.add_argument("--hot", type=int, help="list this region's lines with the most stall samples")
+    ap.add_argument("--top", type=int, default=30, help="how many lines --hot lists")
+    ap.add_argument("--blocks", type=float, default=1.0, help="divide instruction counts by this (blocks)")
+    ap.add_argument("--warps", type=float, default=1.0, help="and by this (warps a role)")
+    args = ap.parse_args()
+    header, rows = read(args.csv)
+    col = {h: i for i, h in enumerate(header)}
+    stalls = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    per = args.blocks * args.warps
+    region, totals, lines = 0, {}, []
+    for r in rows:
+        if "USETMAXREG" in r[1]:
+            region += 1
+        t = totals.setdefault(region, {"instr": 0.0, "samples": 0.0, **{s: 0.0 for s in stalls}})
+        t["instr"] += number(r[col["Instructions Executed"]])
+        samples = number(r[col["Warp Stall Sampling (All Samples)"]])
+        t["samples"] += samples
+        for s in stalls:
+            t[s] += number(r[col[s]])
+        if region == args.hot:
+            top = sorted(((number(r[col[s]]), s) for s in stalls), reverse=True)[:2]
+            lines.append((samples, number(r[col["Instructions Executed"]]) / per, r[1].strip(), top))
+    if args.hot is None:
+        for k, t in totals.items():
+            share = sorted(((t[s], s) for s in stalls), reverse=True)[:7]
+            print(f"region {k}: instructions {t['instr'] / per:.4g}, samples {t['samples']:.0f} | "
+                  + ", ".join(f"{s[6:]} {v / max(t['samples'], 1) * 100:.0f}%" for v, s in share))
+        return
+    for samples, n, text, top in sorted(lines, reverse=True)[:args.top]:
+        print(f"{samples:6.0f} {n:8.2f}  {text[:70]:70s} " + " ".join(f"{s[6:]}:{v:.0f}" for v, s in top if v))
+
+
+if __name__ == "__main__":
+    main()
