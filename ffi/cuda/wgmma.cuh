@@ -166,46 +166,40 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float* d, const uint32_t*
 // transposed V of O^T = V^T P^T); B is K-major.
 #define JSM_ACC8_REGS "{%0, %1, %2, %3, %4, %5, %6, %7}"
 
-// The same shape with A from registers (4 a thread), K-major B, in f16 (kF16) or bf16. (A
-// string operand for the types made ptxas emit 40 more instructions in decode_kernel_rs:
-// the type is pasted into the text instead.)
-#define JSM_WGMMA_M64N16K16_RS(TYPES)                                                                         \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                               \
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32" TYPES " " JSM_ACC8_REGS                          \
-               ", {%8, %9, %10, %11}, %12, p, %14, %15, %16;\n}\n"                                          \
-               : JSM_ACC8(JSM_INOUT, d)                                                                      \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA),    \
-                 "n"(kScaleB), "n"(kKMajor)                                                                  \
-               : "memory")
-
-// N = 32 (16 accumulators a thread), for 32-head shards.
+// The same shape, and N = 32 (16 accumulators a thread), with A from registers (4 a thread),
+// K-major B, in f16 or bf16. One asm text per shape and type: SHAPE_TYPES, the accumulator list
+// (ACC_REGS, ACC), the operands after it (TAIL) and the scale-d predicate's operand (PRED)
+// are pasted in. (A string operand for the types made ptxas emit 40 more instructions in
+// decode_kernel_rs.)
 #define JSM_ACC16_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define JSM_ACC16(k, d) JSM_ACC8(k, (d)), JSM_ACC8(k, (d + 8))
-#define JSM_WGMMA_M64N32K16_RS(TYPES)                                                                         \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                               \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32" TYPES " " JSM_ACC16_REGS                         \
-               ", {%16, %17, %18, %19}, %20, p, %22, %23, %24;\n}\n"                                       \
-               : JSM_ACC16(JSM_INOUT, d)                                                                     \
+#define JSM_WGMMA_RS(SHAPE_TYPES, ACC_REGS, ACC, TAIL, PRED)                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                           \
+               "wgmma.mma_async.sync.aligned." SHAPE_TYPES " " ACC_REGS ", " TAIL ";\n}\n"                  \
+               : ACC(JSM_INOUT, d)                                                                           \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA),    \
                  "n"(kScaleB), "n"(kKMajor)                                                                  \
                : "memory")
+#define JSM_RS_TAIL_N16 "{%8, %9, %10, %11}, %12, p, %14, %15, %16"
+#define JSM_RS_TAIL_N32 "{%16, %17, %18, %19}, %20, p, %22, %23, %24"
 
 // D(64 x N) += A B with A from registers: N = 16 or 32, f16 (kF16) or bf16 inputs.
 template <bool kF16, int N>
 __device__ __forceinline__ void wgmma_m64nNk16_rs(float* d, const uint32_t* a, uint64_t desc_b) {
   static_assert(N == 16 || N == 32, "m64n16k16 or m64n32k16");
   if constexpr (N == 16 && kF16) {
-    JSM_WGMMA_M64N16K16_RS(".f16.f16");
+    JSM_WGMMA_RS("m64n16k16.f32.f16.f16", JSM_ACC8_REGS, JSM_ACC8, JSM_RS_TAIL_N16, "%13");
   } else if constexpr (N == 16) {
-    JSM_WGMMA_M64N16K16_RS(".bf16.bf16");
+    JSM_WGMMA_RS("m64n16k16.f32.bf16.bf16", JSM_ACC8_REGS, JSM_ACC8, JSM_RS_TAIL_N16, "%13");
   } else if constexpr (kF16) {
-    JSM_WGMMA_M64N32K16_RS(".f16.f16");
+    JSM_WGMMA_RS("m64n32k16.f32.f16.f16", JSM_ACC16_REGS, JSM_ACC16, JSM_RS_TAIL_N32, "%21");
   } else {
-    JSM_WGMMA_M64N32K16_RS(".bf16.bf16");
+    JSM_WGMMA_RS("m64n32k16.f32.bf16.bf16", JSM_ACC16_REGS, JSM_ACC16, JSM_RS_TAIL_N32, "%21");
   }
 }
-#undef JSM_WGMMA_M64N16K16_RS
-#undef JSM_WGMMA_M64N32K16_RS
+#undef JSM_WGMMA_RS
+#undef JSM_RS_TAIL_N16
+#undef JSM_RS_TAIL_N32
 
 template <int kTransA>
 __device__ __forceinline__ void wgmma_m64n16k16_ss(float* d, uint64_t desc_a, uint64_t desc_b) {
