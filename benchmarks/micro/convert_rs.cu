@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(256, 1) convert_kernel(float* sink, long long*
       wgmma_fence();
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        wgmma_m64n16k16_rs<kMode == kF16>(s, aj + 4 * i, dq + static_cast<uint64_t>((4 * j + i) * 2 * 16 * 16 / 16));
+        wgmma_m64nNk16_rs<kMode == kF16, 16>(s, aj + 4 * i, dq + static_cast<uint64_t>((4 * j + i) * 2 * 16 * 16 / 16));
       wgmma_commit();
     }
     wgmma_wait<0>();

@@ -678,7 +678,8 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
       wgmma_fence();
 #pragma unroll
       for (int mi = 0; mi < kMtG; ++mi)
-        wgmma_m64nNk16_rs<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi, dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16));
+        wgmma_m64nNk16_rs<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi,
+                                   dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16));
       wgmma_commit();
     }
     wgmma_wait<0>();
