@@ -1,6 +1,6 @@
-// The few-heads decode kernel for V32 caches (h_q <= 32, as H = 16 or 32 heads; MODEL1 runs
-// decode_small.cuh's) with
-// the dequantization in the consumers. decode_small.cuh's producers write every token as bf16
+// The few-heads decode kernel for V32 caches (H = 16 or 32 heads, the N of every product;
+// MODEL1 runs decode_small.cuh's) with the dequantization in the consumers. The launch
+// (decode_launch.cu) says which calls run it. decode_small.cuh's producers write every token as bf16
 // into a shared K tile that wgmma then reads twice (S^T and O^T); here the cache bytes stay raw:
 //   producer warpgroup: one bulk copy per 656-byte row (16-byte aligned caches; cp.async
 //     pieces otherwise) into one of four stages, zeros for an invalid entry; the stage's
