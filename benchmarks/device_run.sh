@@ -161,13 +161,14 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
   note "ncu: $(wc -l <"$OUT/ncu_details.txt") detail lines, $(wc -l <"$OUT/ncu_source.csv") source lines"
   grep -E "pct_of_peak_sustained_active" "$OUT/ncu_pipes.txt" | head -${NCU_PIPE_LINES:-30}
   # Which unit of L1/TEX and of the whole memory system is the busiest, and the L1 tables
-  # (wavefronts by kind): a second launch, so that a metric the tool rejects costs only this.
-  timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel -c 1 \
+  # (wavefronts by kind): a second launch, so that a metric the tool rejects costs only this
+  # (NCU_BREAKDOWN=0 skips it).
+  [[ ${NCU_BREAKDOWN:-1} == 1 ]] && timeout ${NCU_T:-240} ncu --clock-control none -k regex:decode_kernel -c 1 \
     --metrics breakdown:l1tex__throughput.avg.pct_of_peak_sustained_elapsed,breakdown:gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed \
     --section MemoryWorkloadAnalysis_Tables \
     python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} --no-xla --no-reference \
     --iters 1 >"$OUT/ncu_breakdown.txt" 2>&1
-  note "ncu breakdown: $(grep -c '%' "$OUT/ncu_breakdown.txt") lines with %"
+  [[ ${NCU_BREAKDOWN:-1} == 1 ]] && note "ncu breakdown: $(grep -c '%' "$OUT/ncu_breakdown.txt") lines with %"
   if [[ ${NCU_FM:-0} == 1 && -f .anchor/side_by_side.py ]]; then
     # FlashMLA's decode kernel on the same inputs, same sections (its launches: no JAX warm-up,
     # so the same skip is a steady-state launch too). Two more files: keep STAGES to "build ncu".
