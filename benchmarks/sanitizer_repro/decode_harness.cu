@@ -69,6 +69,7 @@ int main() {
       {"V32 h128 pairs, garbage plan", KVFormat::kV32, 5, 2, 128, 130, 40, 64, 5, 5, 9, 3},
       {"MODEL1 h16 few-heads kernel, pages of 61, extra of 17", KVFormat::kModel1, 3, 2, 16, 100, 90, 61, 17, 6, 12, 0},
       {"MODEL1 h16 few-heads kernel, garbage plan", KVFormat::kModel1, 5, 2, 16, 130, 40, 61, 5, 5, 9, 3},
+      {"MODEL1 h16 few-heads kernel, aligned pages, 7 parts", KVFormat::kModel1, 4, 2, 16, 300, 70, 64, 64, 8, 4, 1},
       {"MODEL1 h64 solo, 7 parts", KVFormat::kModel1, 3, 3, 64, 128, 0, 64, 64, 8, 0, 1},
       {"MODEL1 h128 pairs, default plan, extra cache", KVFormat::kModel1, 4, 2, 128, 300, 70, 64, 64, 8, 4, 0},
       {"MODEL1 h128 pairs, pages of 61, garbage plan", KVFormat::kModel1, 5, 2, 128, 130, 40, 61, 5, 5, 9, 3},

@@ -50,6 +50,9 @@ ffi::Error set_up_device(DeviceSetup& d) {
     JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 16, true>, SmemRs<F, 16>::kBytes));
     JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 32, false>, SmemRs<F, 32>::kBytes));
     JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 32, true>, SmemRs<F, 32>::kBytes));
+  } else {
+    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 16, false>, SmemRs<F, 16>::kBytes));
+    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 16, true>, SmemRs<F, 16>::kBytes));
   }
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_small<F, kSmallHeads, false>, SmemSmall<F, kSmallHeads>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_small<F, kSmallHeads, true>, SmemSmall<F, kSmallHeads>::kBytes));
@@ -101,10 +104,9 @@ ffi::Error launch_variant(const DecodeProblem& dp, const Params& p, bool pairs, 
   if (use_small_kernel(dp)) {
     if constexpr (F == KVFormat::kV32) {
       return dp.h_q <= 16 ? launch_rs<F, 16, kAligned>(dp, p, stream) : launch_rs<F, 32, kAligned>(dp, p, stream);
+    } else {
+      return launch_rs<F, 16, kAligned>(dp, p, stream);
     }
-    decode_kernel_small<F, kSmallHeads, kAligned>
-        <<<dim3(dp.num_parts, dp.s_q, 1), kSmallThreads, SmemSmall<F, kSmallHeads>::kBytes, stream>>>(p);
-    return check_launch("decode_kernel_small");
   }
   const int groups = (dp.h_q + kRows - 1) / kRows;
   if (!pairs) {

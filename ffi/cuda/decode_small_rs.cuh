@@ -1,6 +1,6 @@
-// The few-heads decode kernel for V32 caches (H = 16 or 32 heads, the N of every product;
-// MODEL1 runs decode_small.cuh's) with the dequantization in the consumers. The launch
-// (decode_launch.cu) says which calls run it. decode_small.cuh's producers write every token as bf16
+// The few-heads decode kernel (V32: H = 16 or 32 heads, the N of every product; MODEL1: 16)
+// with the dequantization in the consumers. The launch (decode_launch.cu) says which calls
+// run it. decode_small.cuh's producers write every token as bf16
 // into a shared K tile that wgmma then reads twice (S^T and O^T); here the cache bytes stay raw:
 //   producer warpgroup: one bulk copy per 656-byte row (16-byte aligned caches; cp.async
 //     pieces otherwise) into one of four stages, zeros for an invalid entry; the stage's
@@ -8,7 +8,8 @@
 //   warpgroup A: S^T = K Q^T from registers (the codes as f16, one conversion per two), the
 //     softmax, P^T for B; warpgroup B: O^T = V^T P^T (codes times scale / c in f16), a block
 //     behind A (two P^T buffers).
-// The f16 arithmetic and its exactness are described at "the f16 products" below.
+// The f16 arithmetic and its exactness are described at "the f16 products" below. MODEL1's
+// 64 RoPE value dims (bf16) get their own bf16 m-tile in B (see consume_pv_f16).
 //
 // The K dimension of S^T is permuted so that a thread's A fragments of 4 k-steps are one
 // 16-byte chunk of a token row (Q is stored in the same order), and the M dimension of
@@ -31,12 +32,14 @@ constexpr int kRsPitch = 672;
 constexpr int kRsThreads = 3 * kWarpgroup;  // S^T + softmax, O^T, producer
 constexpr int kRsMaxHeads = 32;
 // Registers after reallocation (the launch gives 168 a thread, 504 for the three). At 32
-// heads O^T alone is 128 floats a thread of B.
-template <int H>
+// heads O^T alone is 128 floats a thread of B; MODEL1's A holds 7 scale tiles' accumulators
+// and its B the RoPE m-tile.
+template <KVFormat F, int H>
 struct RsRegs {
-  static constexpr int kQK = H == 16 ? 184 : 192;
-  static constexpr int kPV = H == 16 ? 216 : 248;
-  static constexpr int kProducer = H == 16 ? 104 : 64;
+  static constexpr bool kV32 = F == KVFormat::kV32;
+  static constexpr int kQK = H == 16 ? (kV32 ? 184 : 200) : 192;
+  static constexpr int kPV = H == 16 ? (kV32 ? 216 : 232) : 248;
+  static constexpr int kProducer = H == 16 ? (kV32 ? 104 : 72) : 64;
   static_assert(kQK + kPV + kProducer <= 3 * 168, "setmaxnreg counts over the launch's");
 };
 // Named barriers (0 is __syncthreads).
@@ -62,7 +65,9 @@ struct SmemRs {
   static constexpr int kQ = 0;  // Q in the permuted k order, K-major B operand
   static constexpr int kPBytes = kTokens * H * 2;
   static constexpr int kP = kQ + Fmt<F>::kDqk * H * 2;  // P^T, two buffers
-  static constexpr int kRed = kP + 2 * kPBytes;        // 4 warps x H floats
+  // MODEL1: P^T in bf16 as well (two buffers), B operand of the RoPE value dims' product.
+  static constexpr int kPBf16 = kP + 2 * kPBytes;
+  static constexpr int kRed = kPBf16 + (F == KVFormat::kV32 ? 0 : 2 * kPBytes);  // 4 warps x H floats
   static constexpr int kAlpha = kRed + 4 * H * 4;       // 2 x H floats
   static constexpr int kFinal = kAlpha + 2 * H * 4;     // 2 x H floats, by piece parity
   static constexpr int kQb = kFinal + 2 * H * 4;        // H floats: 2^-k of each head's Q
@@ -128,10 +133,11 @@ __device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, uint32
 
 // The producer copies a 16-byte aligned row with one bulk copy, an unaligned one in 8-byte
 // cp.async pieces (the per-piece bookkeeping of 16-byte pieces made that producer the wall:
-// NOTES, session 21). A stage's `full` counts 64 arrivals (one a row) and the rows' bytes, or
-// each producer thread's cp.asyncs and 4 arrivals (the valid words).
-template <bool kAligned>
-constexpr int kRsFullArrivals = kAligned ? kTokens : kWarpgroup + 4;
+// NOTES, session 21). A stage's `full` counts the rows' bytes and one arrival a row (V32) or
+// two (MODEL1: the second when the row's cp.async of its 8 scale bytes lands), or each
+// producer thread's cp.asyncs and 4 arrivals (the valid words).
+template <KVFormat F, bool kAligned>
+constexpr int kRsFullArrivals = kAligned ? kTokens * (F == KVFormat::kV32 ? 1 : 2) : kWarpgroup + 4;
 
 // Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to
 // this CTA's smem; completion counts on mbarrier `bar` as transaction bytes.
@@ -151,7 +157,6 @@ template <KVFormat F, int H, bool kAligned>
 __device__ __forceinline__ void produce_rs(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem, int t) {
   using L = SmemRs<F, H>;
   using R = RawRow<F>;
-  static_assert(R::kV32, "V32 rows (MODEL1's scale bytes are not copied)");
   constexpr int kCopy = 8;  // the pieces of an unaligned row
   constexpr int kPerRow = R::kDataBytes / kCopy;
   static_assert(kPerRow >= 32, "a copy index advances by at most one row");
@@ -179,6 +184,10 @@ __device__ __forceinline__ void produce_rs(const Params& p, const Work& w, int s
     if (kAligned) {  // one bulk copy a row; zeros for an invalid entry
       if (lane < 16) {
         const uint32_t dst = tile + lane * kRsPitch;
+        if (!R::kV32) {  // MODEL1: the 8 scale bytes (zeros for an invalid entry)
+          cp_async_8(dst + R::kScaleChunk * 16, cur.scales ? cur.scales : p.kv, cur.scales ? 8u : 0u);
+          cp_async_arrive_noinc(full);
+        }
         if (cur.data) {
           mbar_arrive_expect_tx(full, R::kDataBytes);
           bulk_load(dst, cur.data, R::kDataBytes, full);
@@ -206,6 +215,10 @@ __device__ __forceinline__ void produce_rs(const Params& p, const Work& w, int s
         piece -= kPerRow;
         ++row;
       }
+    }
+    if (!R::kV32 && lane < 16) {  // MODEL1: the 8 scale bytes
+      cp_async_8(tile + lane * kRsPitch + R::kScaleChunk * 16, cur.scales ? cur.scales : p.kv,
+                 cur.scales ? 8u : 0u);
     }
     cp_async_arrive_noinc(full);
     if (lane == 0) mbar_arrive(full);
@@ -297,12 +310,34 @@ __device__ __forceinline__ void q_store(const QRegs<F>& qr, uint8_t* q_s, float*
 // float(bf16(x)): the rule's rounding of a V32 scale.
 __device__ __forceinline__ float bf16_round(float x) { return __uint_as_float(pack_bf16x2(x, 0.f) << 16); }
 
+// Scale k of a token as the rule uses it, from its row's scale chunk `f`: bf16(float32) (V32)
+// or a UE8M0 byte (MODEL1: a power of two).
+template <KVFormat F>
+__device__ __forceinline__ float tile_scale(const uint4& f, int k) {
+  if constexpr (F == KVFormat::kV32) {
+    return bf16_round(__uint_as_float(word(f, k)));
+  } else {
+    return ue8m0_to_float(static_cast<uint8_t>(word(f, k >> 2) >> (8 * (k & 3))));
+  }
+}
+
+// The same from the smem address `at` of a token's scale chunk.
+template <KVFormat F>
+__device__ __forceinline__ float token_scale(uint32_t at, int tile) {
+  if constexpr (F == KVFormat::kV32) {
+    return bf16_round(lds_f32(at + 4 * tile));
+  } else {
+    const uint32_t w = __float_as_uint(lds_f32(at + 4 * (tile >> 2)));
+    return ue8m0_to_float(static_cast<uint8_t>(w >> (8 * (tile & 3))));
+  }
+}
+
 // Warpgroup A: S^T = K Q^T for every block, the softmax, and P^T (f16) and the column factors
 // alpha into buffer n % 2 for warpgroup B; at a piece's end the output factors and lse. One
 // block ahead of B at most (two buffers).
 template <KVFormat F, int H>
 __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
-  static_assert((H == 16 || H == 32) && F == KVFormat::kV32, "m64n16 or m64n32 products over V32 rows");
+  static_assert(H == 16 || (H == 32 && F == KVFormat::kV32), "m64n16 products (V32: or m64n32)");
   using L = SmemRs<F, H>;
   using R = RawRow<F>;
   constexpr int kAcc = H / 2;
@@ -372,8 +407,8 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
       const uint4 fb = lds128(row_b + R::kScaleChunk * 16);
 #pragma unroll
       for (int k = 0; k < kTiles; ++k) {
-        sc_a[k] = bf16_round(__uint_as_float(word(fa, k)));
-        sc_b[k] = bf16_round(__uint_as_float(word(fb, k)));
+        sc_a[k] = tile_scale<F>(fa, k);
+        sc_b[k] = tile_scale<F>(fb, k);
       }
     }
     float acc[kTiles][kAcc], racc[kAcc];
@@ -474,6 +509,9 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
       const int k = (tok & ~15) + 8 * (rem >> 3) + 2 * (rem & 3) + ((rem >> 2) & 1);
       *reinterpret_cast<uint16_t*>(p_s + (k >> 3) * H * 16 + h * 16 + (k & 7) * 2) =
           static_cast<uint16_t>(pack_f16x2(sacc[i], 0.f) & 0xffffu);
+      if (!R::kV32)  // the same in bf16, for B's RoPE product
+        *reinterpret_cast<uint16_t*>(p_s + (L::kPBf16 - L::kP) + (k >> 3) * H * 16 + h * 16 + (k & 7) * 2) =
+            static_cast<uint16_t>(pack_bf16x2(sacc[i], 0.f) & 0xffffu);
     }
     float* alpha_s = reinterpret_cast<float*>(smem + L::kAlpha) + pb * H;
     if (warp == 0 && g == 0) {
@@ -542,7 +580,7 @@ __device__ __forceinline__ void bk_set(uint32_t* bk, int mt, uint32_t a0, uint32
 // 16 q .. 16 q + 15 of the thread's tokens times scale / c), the output at a piece's end.
 template <KVFormat F, int H>
 __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
-  static_assert(F == KVFormat::kV32, "V32 rows: every value dim is a code");
+  static_assert(H == 16 || F == KVFormat::kV32, "MODEL1 at 16 heads");
   using L = SmemRs<F, H>;
   using R = RawRow<F>;
   constexpr int kAcc = H / 2;
@@ -553,7 +591,14 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
   const int c = lane & 3;
   const int g = lane >> 2;
   const int q = 8 * warp + g;  // O^T rows: value dims 16 q .. 16 q + 15, scale tile `tile`
-  const int tile = 16 * q / (Fmt<F>::kSpansPerScale * 64);
+  // MODEL1's codes end at dim 448: threads q >= 28 (warp 3, g >= 4) convert RoPE bytes as if
+  // they were codes. A product's row depends only on the same row of A, so that garbage stays
+  // in their own O^T rows, which are never stored: the RoPE dims come from a bf16 m-tile
+  // (kRopeTile) whose row 16 warp + g is RoPE dim 16 warp + 2 g and row + 8 the next dim.
+  constexpr bool kRopeTile = !R::kV32;
+  const bool code_rows = !kRopeTile || 16 * q < Fmt<F>::kNope;
+  const int tile = (kRopeTile ? min(16 * q, Fmt<F>::kNope - 1) : 16 * q) / (Fmt<F>::kSpansPerScale * 64);
+  const uint32_t rope_at = R::kRopeChunk * 16 + 2 * (16 * warp + 2 * g);  // (kRopeTile) in a row
   constexpr float kCMin = 1.17549435e-38f;  // 2^-126: c before any scale
 
   Cursor cur;
@@ -564,6 +609,8 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
   float piece_max = 0.f;  // the piece's largest scale so far in this thread's scale tile
   float o[8 * kAcc];  // O^T / cn: m-tile mt (dims 16 q + 2 mt, + 1) at o[mt * kAcc ..]
   zero(o);
+  float orope[kRopeTile ? kAcc : 1];  // (kRopeTile) the RoPE dims' O^T, not in units of cn
+  zero(orope);
 
   for (int n = 0;; ++n) {
     Cursor nx = cur;
@@ -582,8 +629,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
       for (int bh = 0; bh < 4; ++bh)
         rv[bh] = lds128(raw + (16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c) * kRsPitch + q * 16);
     };
-    constexpr bool kRowsAhead = H == 16;  // (at 32 heads the registers are not there)
-    uint4 rvs[kRowsAhead ? 2 : 1][4];
+    uint4 rvs[2][4];
     load_rows(0, rvs[0]);
     // The scales of the thread's 16 tokens (k-step ks: tokens 16 ks + 4 b + 8 h + c, bh = b + 2 h).
     float sv[16];
@@ -593,7 +639,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
 #pragma unroll
       for (int bh = 0; bh < 4; ++bh) {
         const int tok = 16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c;
-        sv[4 * ks + bh] = bf16_round(lds_f32(raw + tok * kRsPitch + R::kScaleChunk * 16 + 4 * tile));
+        sv[4 * ks + bh] = token_scale<F>(raw + tok * kRsPitch + R::kScaleChunk * 16, tile);
         smax = fmaxf(smax, fabsf(sv[4 * ks + bh]));
       }
     smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));
@@ -614,12 +660,42 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
 #pragma unroll
     for (int i = 0; i < 16; ++i) tiny |= sv[i] != 0.f && fabsf(sv[i] * inv_c) < 0x1p-14f;
     const bool exact_a = __any_sync(0xffffffffu, tiny);
+    // The fast path's f16 factors scale / c, two tokens a register (sv is dead after this: the
+    // exact path reloads the scales).
+    uint32_t scp[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) scp[i] = pack_f16x2(sv[2 * i] * inv_c, sv[2 * i + 1] * inv_c);
+    const auto scale_over_c = [&](int ks, int bh) {
+      const int tok = 16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c;
+      return token_scale<F>(raw + tok * kRsPitch + R::kScaleChunk * 16, tile) * inv_c;
+    };
+    // (kRopeTile) the RoPE m-tile's A fragments, bf16 as stored: k-step ks's tokens bh = 0 .. 3
+    // are the same as the codes' (k = 2 c, 2 c + 1, 2 c + 8, 2 c + 9); one 4-byte load gives a
+    // token's two dims (rows g, g + 8).
+    uint32_t ra[kRopeTile ? 16 : 1];
+    if constexpr (kRopeTile) {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        uint32_t v[4];
+#pragma unroll
+        for (int bh = 0; bh < 4; ++bh)
+          v[bh] = __float_as_uint(lds_f32(raw + (16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c) * kRsPitch + rope_at));
+        ra[4 * ks + 0] = __byte_perm(v[0], v[1], 0x5410);
+        ra[4 * ks + 1] = __byte_perm(v[0], v[1], 0x7632);
+        ra[4 * ks + 2] = __byte_perm(v[2], v[3], 0x5410);
+        ra[4 * ks + 3] = __byte_perm(v[2], v[3], 0x7632);
+      }
+    }
 
     named_bar_sync(kRsBarPReady + pb, 2 * kWarpgroup);
     const float* alpha_s = reinterpret_cast<const float*>(smem + L::kAlpha) + pb * H;
     float alpha[kCols], f[kCols];
 #pragma unroll
     for (int j = 0; j < kCols; ++j) alpha[j] = alpha_s[8 * (j / 2) + 2 * c + (j & 1)] * ratio;
+    if (kRopeTile && !first) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) orope[i] *= alpha_s[8 * (i >> 2) + 2 * c + (i & 1)];
+    }
     if (last) {
       const float* final_s = reinterpret_cast<const float*>(smem + L::kFinal) + (pieces & 1) * H;
 #pragma unroll
@@ -636,6 +712,16 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     }
 
     const uint64_t dp_ = desc_k_major(sb + L::kP + pb * L::kPBytes, H);
+    if constexpr (kRopeTile) {  // the RoPE m-tile, all four k-steps, in a commit group ahead of the codes'
+      const uint64_t dpb = desc_k_major(sb + L::kPBf16 + pb * L::kPBytes, H);
+      pin(orope);
+      pin(ra);  // (computed before the fence)
+      wgmma_fence();
+#pragma unroll
+      for (int k4 = 0; k4 < 4; ++k4)
+        wgmma_m64nNk16_rs<false, H>(orope, ra + 4 * k4, dpb + static_cast<uint64_t>(k4 * 2 * H * 16 / 16));
+      wgmma_commit();
+    }
     // Each k-step's 8 m-tiles go to the tensor cores in kGroups commit groups of kMtG; a group's
     // A fragments are double-buffered (at 32 heads a whole k-step's would cost 64 registers).
     constexpr int kGroups = H == 16 ? 1 : 2;
@@ -645,15 +731,12 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     for (int gn = 0; gn < 4 * kGroups; ++gn) {  // group gn: k-step ks, m-tiles m0 ..
       const int ks = gn / kGroups;
       const int m0 = gn % kGroups * kMtG;
-      if (kRowsAhead && m0 == 0 && ks + 1 < 4) load_rows(ks + 1, rvs[(ks + 1) & 1]);
-      if (!kRowsAhead && m0 == 0 && ks > 0) load_rows(ks, rvs[0]);
-      const uint4(&rv)[4] = rvs[kRowsAhead ? ks & 1 : 0];
-      const float* s4 = sv + 4 * ks;  // scales of the pairs' tokens: (0, 1) in x0, x1; (2, 3) in x2, x3
+      if (m0 == 0 && ks + 1 < 4) load_rows(ks + 1, rvs[(ks + 1) & 1]);
+      const uint4(&rv)[4] = rvs[ks & 1];
       if (gn >= 2) wgmma_wait<1>();  // the group that used b[gn & 1] is done
       uint32_t* bk = b[gn & 1];
       if (!exact_a) {
-        const uint32_t sc01 = pack_f16x2(s4[0] * inv_c, s4[1] * inv_c);
-        const uint32_t sc23 = pack_f16x2(s4[2] * inv_c, s4[3] * inv_c);
+        const uint32_t sc01 = scp[2 * ks], sc23 = scp[2 * ks + 1];  // tokens (0, 1) in x0, x1; (2, 3) in x2, x3
 #pragma unroll
         for (int mi = 0; mi < kMtG; ++mi) {
           uint32_t x0, x1, x2, x3;
@@ -664,7 +747,8 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
           bk[4 * mi + 3] = f16x2_mul(x3, sc23);
         }
       } else {
-        const float r0 = s4[0] * inv_c, r1 = s4[1] * inv_c, r2 = s4[2] * inv_c, r3 = s4[3] * inv_c;
+        const float r0 = scale_over_c(ks, 0), r1 = scale_over_c(ks, 1), r2 = scale_over_c(ks, 2),
+                    r3 = scale_over_c(ks, 3);
 #pragma unroll 1
         for (int mi = 0; mi < kMtG; ++mi) {
           uint32_t x0, x1, x2, x3;
@@ -684,6 +768,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     }
     wgmma_wait<0>();
     pin(o);
+    pin(orope);
     named_bar_arrive(kRsBarPFree + pb, 2 * kWarpgroup);
 
     first = last;
@@ -699,6 +784,16 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
         for (int j = 0; j < kCols; ++j) {
           const int h = 8 * (j / 2) + 2 * c + (j & 1);
           if (h >= p.h_q) continue;
+          if constexpr (kRopeTile) {  // RoPE dims 16 warp + 2 g, + 1
+            const float r0v = orope[4 * (j / 2) + (j & 1)] * f[j], r1v = orope[4 * (j / 2) + 2 + (j & 1)] * f[j];
+            const int64_t er = (row0 * p.h_q + h) * kDimV + Fmt<F>::kNope + 16 * warp + 2 * g;
+            if (po.pieces == 1) {
+              *reinterpret_cast<uint32_t*>(p.out + er) = pack_bf16x2(r0v, r1v);
+            } else {
+              *reinterpret_cast<float2*>(p.out_accum + er) = make_float2(r0v, r1v);
+            }
+          }
+          if (!code_rows) continue;
           const float fj = f[j] * cn;
           float v[16];
 #pragma unroll
@@ -718,6 +813,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
         }
       }
       zero(o);
+      zero(orope);
       cn = kCMin;
       piece_max = 0.f;
     }
@@ -737,20 +833,20 @@ __global__ void __launch_bounds__(kRsThreads, 1) decode_kernel_rs(const Params p
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int i = 0; i < kRsStages; ++i) {
-      mbar_init(sb + L::kFull + 8 * i, kRsFullArrivals<kAligned>);
+      mbar_init(sb + L::kFull + 8 * i, kRsFullArrivals<F, kAligned>);
       mbar_init(sb + L::kEmpty + 8 * i, 2 * kWarpgroup / 32);  // A's and B's warps
     }
   }
   __syncthreads();
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
   if (wg == 2) {
-    setmaxnreg_dec<RsRegs<H>::kProducer>();
+    setmaxnreg_dec<RsRegs<F, H>::kProducer>();
     produce_rs<F, H, kAligned>(p, w, s, sb, smem, threadIdx.x - 2 * kWarpgroup);
   } else if (wg == 1) {
-    setmaxnreg_inc<RsRegs<H>::kPV>();
+    setmaxnreg_inc<RsRegs<F, H>::kPV>();
     consume_pv_f16<F, H>(p, w, s, sb, smem);
   } else {
-    setmaxnreg_inc<RsRegs<H>::kQK>();
+    setmaxnreg_inc<RsRegs<F, H>::kQK>();
     consume_qk_f16<F, H>(p, w, s, sb, smem);
   }
 }
