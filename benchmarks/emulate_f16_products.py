@@ -6,9 +6,8 @@ tolerance, for a NumPy model of that kernel's arithmetic and one of the bf16 rul
     python benchmarks/emulate_f16_products.py --seeds 0:25
     python benchmarks/emulate_f16_products.py --format MODEL1 --seeds 0:60
 
-`--format MODEL1` checks the MODEL1 port (benchmarks/patches/small_rs_model1.patch, not yet
-shipped) on 16-head cases like the GPU shape tests' instead: its RoPE value dims enter P V as
-v / c in f16 (`_rope_f16`).
+`--format MODEL1` checks the same kernel's MODEL1 instance on 16-head cases like the GPU shape
+tests' instead: its RoPE value dims enter P V in bf16 as stored, with P in bf16 (their own m-tile).
 
 Models (logits summed in float64 and rounded to fp32; the softmax, P V and the merge of one split
 piece per 64-entry block are emulate_v32_scales.py's `decode_pieces`):
@@ -65,19 +64,6 @@ def _values_f16(codes, scales):
     return out.reshape(codes.shape[0], -1)
 
 
-def _rope_f16(rope):
-    """MODEL1's RoPE value dims as `small_rs_model1.patch` feeds them to P V: v / c rounded once to
-    f16, times c, c the power of two at or above the largest |v| (at most bf16's largest finite)
-    of each 64-entry block and 16-dim group (one quad of threads). rope [n, 64]."""
-    out = np.empty(rope.shape)
-    for b0 in range(0, rope.shape[0], 64):
-        blk = rope[b0:b0 + 64].reshape(-1, 4, 16)
-        mx = np.minimum(np.abs(blk).max(axis=(0, 2)), float(ml_dtypes.finfo(BF16).max))
-        c = np.exp2(np.ceil(np.log2(np.maximum(mx, 2.0 ** -126))))[None, :, None]
-        out[b0:b0 + 64] = ((blk / c).astype(F16).astype(np.float64) * c).reshape(-1, 64)
-    return out
-
-
 def model_decode(case, model):
     """out [b, s_q, h, 512] (bf16 values) and lse [b, h, s_q] of one model."""
     q = np.asarray(case["q"]).astype(np.float32).astype(np.float64)
@@ -98,12 +84,12 @@ def model_decode(case, model):
             if model == "f16":
                 part = np.einsum("ntd,htd->nht", codes[sel], _q_f16(qi[:, :d_nope]).reshape(h, *codes.shape[1:]))
                 logits = ((part * scales[sel][:, None, :]).sum(-1) + rope[sel] @ qi[:, d_nope:].T).astype(F32)
-                values, p_type = _values_f16(codes[sel], scales[sel]), F16
-                if fmt == "MODEL1":
-                    values = np.concatenate([values, _rope_f16(rope[sel])], axis=-1)
+                o, lse2 = decode_pieces((logits * c2).astype(F32), _values_f16(codes[sel], scales[sel]), F16)
+                if fmt == "MODEL1":  # the RoPE value dims: bf16 as stored, P in bf16
+                    o = np.concatenate([o, decode_pieces((logits * c2).astype(F32), rope[sel], BF16)[0]], axis=-1)
             else:
-                logits, values, p_type = dot_f32(qi, keys[sel], "exact"), keys[sel, :512], BF16
-            o, lse2 = decode_pieces((logits * c2).astype(F32), values, p_type)
+                logits = dot_f32(qi, keys[sel], "exact")
+                o, lse2 = decode_pieces((logits * c2).astype(F32), keys[sel, :512], BF16)
             out[i, s] = o.astype(BF16)
             lse[i, :, s] = lse2 / np.log2(np.e)
     return out, lse
@@ -126,7 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0:25", help="START:STOP")
     ap.add_argument("--format", default="V32", choices=("V32", "MODEL1"),
                     help="V32: the non-power-of-two scale test at 16 and 64 heads; MODEL1: 16-head "
-                         "shape-test cases for the port's RoPE value dims (small_rs_model1.patch)")
+                         "shape-test cases")
     args = ap.parse_args(argv)
     seeds = range(*map(int, args.seeds.split(":")))
     ref = jax.jit(reference.sparse_mla_decode, static_argnames=("sm_scale",))

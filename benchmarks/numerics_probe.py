@@ -1,7 +1,8 @@
 """Where a kernel's rounding error comes from: the op's output against the float64 definition
 and against a NumPy model of the 16-head kernel's arithmetic, request by request.
 
-The model (ffi/cuda/decode_small.cuh, the plan's pieces merged as the combine does): blocks of
+The model (the bf16 rule of the 64-row kernel and of the retired bf16-tile few-heads kernel of
+sessions 6-22, the plan's pieces merged as the combine does): blocks of
 64 list entries in list order; S in fp32; the running maximum with the lazy rescale (kept until a block's maximum
 passes it by 8, in base-2 logit units); p = exp2(S * scale_log2 - m) in fp32, summed in fp32;
 P rounded to bf16 for P V; O in fp32 (alpha O + P V per block); out = bf16(O / l, times the

@@ -69,8 +69,8 @@ V32, MODEL1 = jsm.KVFormat.V32, jsm.KVFormat.MODEL1
 
 def head_id(h_q):
     """Test ids "h16", "h64", ...: `-k h16` selects the few-heads kernel's instances (h_q <= 16
-    runs ffi/cuda/decode_small_rs.cuh for V32 and decode_small.cuh for MODEL1; the tests with a
-    fixed h_q of 16 run them too; test_few_heads_32 runs decode_small_rs.cuh at 32 heads)."""
+    runs ffi/cuda/decode_small_rs.cuh for both formats; the tests with a fixed h_q of 16 run it
+    too; test_few_heads_32 runs it at 32 heads)."""
     return f"h{h_q}"
 
 

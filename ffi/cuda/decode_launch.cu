@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include "cuda/decode_kernel.cuh"
-#include "cuda/decode_small.cuh"
 #include "cuda/decode_small_rs.cuh"
 
 namespace jsm {
@@ -54,8 +53,6 @@ ffi::Error set_up_device(DeviceSetup& d) {
     JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 16, false>, SmemRs<F, 16>::kBytes));
     JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 16, true>, SmemRs<F, 16>::kBytes));
   }
-  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_small<F, kSmallHeads, false>, SmemSmall<F, kSmallHeads>::kBytes));
-  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_small<F, kSmallHeads, true>, SmemSmall<F, kSmallHeads>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 1, false>, Smem<F>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 1, true>, Smem<F>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 2, false>, Smem<F>::kBytes));
@@ -82,14 +79,13 @@ int64_t blocks_per_worker(const DecodeProblem& dp) {
   return static_cast<int64_t>(dp.batch) * per_request / std::max(dp.num_parts, 1);
 }
 
-// Few heads (tensor-parallel shards of 8 and 4): the transposed kernels, one CTA per
-// (worker, query row): decode_small_rs.cuh for V32 (16 heads or fewer; up to kRsMaxHeads
-// with enough blocks a worker), decode_small.cuh for MODEL1 up to kSmallHeads. Not for a
-// batch-invariant plan: its results must equal those heads of a wider call bit for bit, and
-// these kernels round differently.
+// Few heads (tensor-parallel shards of 8 and 4): the transposed kernel of decode_small_rs.cuh,
+// one CTA per (worker, query row), for 16 heads or fewer (V32: up to kRsMaxHeads with enough
+// blocks a worker). Not for a batch-invariant plan: its results must equal those heads of a
+// wider call bit for bit, and this kernel rounds differently.
 bool use_small_kernel(const DecodeProblem& dp) {
   if (dp.batch_invariant) return false;
-  if (dp.h_q <= kSmallHeads) return true;
+  if (dp.h_q <= kRsNarrowHeads) return true;
   return dp.format == KVFormat::kV32 && dp.h_q <= kRsMaxHeads && blocks_per_worker(dp) >= kRs32MinBlocksPerWorker;
 }
 
@@ -103,9 +99,10 @@ template <KVFormat F, bool kAligned>
 ffi::Error launch_variant(const DecodeProblem& dp, const Params& p, bool pairs, cudaStream_t stream) {
   if (use_small_kernel(dp)) {
     if constexpr (F == KVFormat::kV32) {
-      return dp.h_q <= 16 ? launch_rs<F, 16, kAligned>(dp, p, stream) : launch_rs<F, 32, kAligned>(dp, p, stream);
+      return dp.h_q <= kRsNarrowHeads ? launch_rs<F, kRsNarrowHeads, kAligned>(dp, p, stream)
+                                      : launch_rs<F, kRsMaxHeads, kAligned>(dp, p, stream);
     } else {
-      return launch_rs<F, 16, kAligned>(dp, p, stream);
+      return launch_rs<F, kRsNarrowHeads, kAligned>(dp, p, stream);
     }
   }
   const int groups = (dp.h_q + kRows - 1) / kRows;

@@ -1,10 +1,11 @@
 // The few-heads decode kernel (V32: H = 16 or 32 heads, the N of every product; MODEL1: 16)
 // with the dequantization in the consumers. The launch (decode_launch.cu) says which calls
-// run it. decode_small.cuh's producers write every token as bf16
-// into a shared K tile that wgmma then reads twice (S^T and O^T); here the cache bytes stay raw:
-//   producer warpgroup: one bulk copy per 656-byte row (16-byte aligned caches; cp.async
-//     pieces otherwise) into one of four stages, zeros for an invalid entry; the stage's
-//     `full` barrier tracks the bytes.
+// run it. Rather than producers writing every token as bf16 into a shared K tile that wgmma
+// reads twice (S^T and O^T: the retired decode_small.cuh, sessions 6-22), the cache bytes stay
+// raw in shared memory:
+//   producer warpgroup: one bulk copy per row (656 bytes; MODEL1: region A's 576 and a
+//     cp.async of the 8 scale bytes) into one of four stages (cp.async pieces for caches not
+//     16-byte aligned), zeros for an invalid entry; the stage's `full` barrier tracks them.
 //   warpgroup A: S^T = K Q^T from registers (the codes as f16, one conversion per two), the
 //     softmax, P^T for B; warpgroup B: O^T = V^T P^T (codes times scale / c in f16), a block
 //     behind A (two P^T buffers).
@@ -18,10 +19,80 @@
 // pitch (kRsPitch) keeps both products' loads conflict-free.
 #pragma once
 
-#include "cuda/decode_small.cuh"
+#include "cuda/decode_kernel.cuh"
 
 namespace jsm {
 namespace cuda {
+
+// The per-head reduction over the 64 tokens: `v` holds this thread's value of each of its
+// H/4 columns (heads 8 (j / 2) + 2 c + j % 2) over its two token rows; the result is the
+// reduction over all 64 rows, for the same columns. Lanes of one c share columns.
+template <int H, bool kMax>
+__device__ __forceinline__ void reduce_columns(float (&v)[H / 4], float* red, int warp, int lane,
+                                               int bar) {
+  const int c = lane & 3;
+#pragma unroll
+  for (int j = 0; j < H / 4; ++j)
+#pragma unroll
+    for (int x = 4; x <= 16; x *= 2) {
+      const float o = __shfl_xor_sync(0xffffffffu, v[j], x);
+      v[j] = kMax ? fmaxf(v[j], o) : v[j] + o;
+    }
+  if (lane < 4)
+#pragma unroll
+    for (int j = 0; j < H / 4; ++j) red[warp * H + 8 * (j / 2) + 2 * c + (j & 1)] = v[j];
+  named_bar_sync(bar, kWarpgroup);
+#pragma unroll
+  for (int j = 0; j < H / 4; ++j) {
+    const int h = 8 * (j / 2) + 2 * c + (j & 1);
+    float a = red[h];
+#pragma unroll
+    for (int k = 1; k < 4; ++k) a = kMax ? fmaxf(a, red[k * H + h]) : a + red[k * H + h];
+    v[j] = a;
+  }
+  named_bar_sync(bar, kWarpgroup);  // red is free again
+}
+
+// Accumulator i of a 64 x H product (H / 2 a thread): row r0 + 8 ((i / 2) % 2), column
+// 8 (i / 4) + 2 c + i % 2, i.e. the thread's column j = 2 (i / 4) + i % 2.
+__device__ __forceinline__ int acc_column(int i) { return 2 * (i >> 2) + (i & 1); }
+
+// The softmax step of one block over S^T's accumulators (this thread's rows r0, r0 + 8, whose
+// entries are valid when v0 / v1): invalid rows get -inf, each head's maximum crosses the 64
+// rows (smem `red`, named barrier `bar`), the running maximum m moves lazily (alpha: the
+// factor of what came before), and sacc becomes probabilities 2^(scale s - m), added to this
+// thread's share of l (its two rows; the 64 are summed at the piece's end).
+template <int H>
+__device__ __forceinline__ void block_softmax(float (&sacc)[H / 2], bool v0, bool v1, float (&m)[H / 4],
+                                              float (&l)[H / 4], float (&alpha)[H / 4], float scale, float* red,
+                                              int warp, int lane, int bar) {
+  if (!(v0 && v1)) {
+#pragma unroll
+    for (int i = 0; i < H / 2; ++i)
+      if (!(((i >> 1) & 1) ? v1 : v0)) sacc[i] = -INFINITY;
+  }
+  float mx[H / 4];
+#pragma unroll
+  for (int j = 0; j < H / 4; ++j) mx[j] = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < H / 2; ++i) mx[acc_column(i)] = fmaxf(mx[acc_column(i)], sacc[i]);
+  reduce_columns<H, true>(mx, red, warp, lane, bar);
+#pragma unroll
+  for (int j = 0; j < H / 4; ++j) {
+    const float mx_scaled = mx[j] * scale;  // scale > 0
+    const bool grow = mx_scaled > m[j] + kLazyRescale;
+    const float m_new = grow ? mx_scaled : m[j];
+    alpha[j] = grow ? fast_exp2(m[j] - m_new) : 1.f;
+    m[j] = m_new;
+    l[j] *= alpha[j];
+  }
+#pragma unroll
+  for (int i = 0; i < H / 2; ++i) {
+    const int j = acc_column(i);
+    sacc[i] = fast_exp2(fmaf(sacc[i], scale, -m[j]));
+    l[j] += sacc[i];
+  }
+}
 
 constexpr int kRsStages = 4;
 // A raw row in smem: 42 chunks of 16 bytes (V32 uses 41). An even chunk count that is not a
@@ -30,6 +101,7 @@ constexpr int kRsStages = 4;
 // 16-byte unit (2 row + chunk) mod 8 then takes each value 4 times (the 4-wavefront minimum).
 constexpr int kRsPitch = 672;
 constexpr int kRsThreads = 3 * kWarpgroup;  // S^T + softmax, O^T, producer
+constexpr int kRsNarrowHeads = 16;  // N of the narrow instance: every call of up to 16 heads runs it
 constexpr int kRsMaxHeads = 32;
 // Registers after reallocation (the launch gives 168 a thread, 504 for the three). At 32
 // heads O^T alone is 128 floats a thread of B; MODEL1's A holds 7 scale tiles' accumulators

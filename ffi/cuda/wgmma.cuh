@@ -161,9 +161,10 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float* d, const uint32_t*
       : "memory");
 }
 
-// The narrow product of the few-heads kernel (decode_small.cuh): D(64x16, fp32, 8
-// accumulators a thread) += A(64x16, smem) B(16x16, smem). kTransA: A stored M-major (the
-// transposed V of O^T = V^T P^T); B is K-major.
+// The narrow product with both operands in smem (benchmarks/micro/wgmma_chains.cu; the
+// retired bf16-tile few-heads kernel's): D(64x16, fp32, 8 accumulators a thread) +=
+// A(64x16, smem) B(16x16, smem). kTransA: A stored M-major (the transposed V of
+// O^T = V^T P^T); B is K-major.
 #define JSM_ACC8_REGS "{%0, %1, %2, %3, %4, %5, %6, %7}"
 
 // The same shape, and N = 32 (16 accumulators a thread), with A from registers (4 a thread),
