@@ -205,8 +205,9 @@ if has harness; then  # the sanitizers on the decode kernel and the combine (san
   stamp harness
   # First the minimal hand-off kernels (sanitizer_repro/): a racecheck report there is about the
   # pattern (named barriers: the decode kernel's WG0 -> WG1 hand-off of P and alpha; mbarriers:
-  # the producers' valid words), not about the decode kernel.
-  for repro in named_barrier_handoff mbarrier_handoff; do
+  # the producers' valid words; cp.async landing on an mbarrier: the few-heads kernel's
+  # unaligned rows and MODEL1 scale bytes), not about the decode kernel.
+  for repro in named_barrier_handoff mbarrier_handoff cp_async_handoff; do
     nvcc -gencode=arch=compute_90a,code=sm_90a -o /tmp/$repro benchmarks/sanitizer_repro/$repro.cu || continue
     for tool in racecheck synccheck; do
       compute-sanitizer --tool $tool /tmp/$repro >"$OUT/${repro}_$tool.log" 2>&1

@@ -61,7 +61,7 @@ def test_microbenchmark_builds(tmp_path, name):
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
-@pytest.mark.parametrize("name", ["named_barrier_handoff", "mbarrier_handoff"])
+@pytest.mark.parametrize("name", ["named_barrier_handoff", "mbarrier_handoff", "cp_async_handoff"])
 def test_reproducer_builds(tmp_path, name):
     done = _builds(tmp_path, [f"benchmarks/sanitizer_repro/{name}.cu"])
     assert done.returncode == 0, done.stderr[-3000:]

@@ -95,10 +95,11 @@ __device__ __forceinline__ void block_softmax(float (&sacc)[H / 2], bool v0, boo
 }
 
 constexpr int kRsStages = 4;
-// A raw row in smem: 42 chunks of 16 bytes (V32 uses 41). An even chunk count that is not a
-// multiple of 4 spreads both products' loads over all banks without a swizzle: S^T's LDS.128
-// read chunk 4 j + c of rows r0 + g (8 rows, 4 chunks), O^T's chunk 8 w + g of 4 rows, and
-// 16-byte unit (2 row + chunk) mod 8 then takes each value 4 times (the 4-wavefront minimum).
+// A raw row in smem: 42 chunks of 16 bytes (V32 uses 41, MODEL1 37). An even chunk count
+// that is not a multiple of 4 spreads both products' loads over all banks without a swizzle:
+// S^T's LDS.128 read chunk 4 j + c of rows r0 + g (8 rows, 4 chunks), O^T's chunk 8 w + g of
+// 4 rows, and 16-byte unit (2 row + chunk) mod 8 then takes each value 4 times (the
+// 4-wavefront minimum).
 constexpr int kRsPitch = 672;
 constexpr int kRsThreads = 3 * kWarpgroup;  // S^T + softmax, O^T, producer
 constexpr int kRsNarrowHeads = 16;  // N of the narrow instance: every call of up to 16 heads runs it
