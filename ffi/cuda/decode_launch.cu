@@ -44,14 +44,11 @@ ffi::Error allow_smem(Kernel kernel, int bytes) {
 
 template <KVFormat F>
 ffi::Error set_up_device(DeviceSetup& d) {
+  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kRsNarrowHeads, false>, SmemRs<F, kRsNarrowHeads>::kBytes));
+  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kRsNarrowHeads, true>, SmemRs<F, kRsNarrowHeads>::kBytes));
   if constexpr (F == KVFormat::kV32) {
-    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 16, false>, SmemRs<F, 16>::kBytes));
-    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 16, true>, SmemRs<F, 16>::kBytes));
-    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 32, false>, SmemRs<F, 32>::kBytes));
-    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 32, true>, SmemRs<F, 32>::kBytes));
-  } else {
-    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 16, false>, SmemRs<F, 16>::kBytes));
-    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, 16, true>, SmemRs<F, 16>::kBytes));
+    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kRsMaxHeads, false>, SmemRs<F, kRsMaxHeads>::kBytes));
+    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kRsMaxHeads, true>, SmemRs<F, kRsMaxHeads>::kBytes));
   }
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 1, false>, Smem<F>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 1, true>, Smem<F>::kBytes));

@@ -254,11 +254,15 @@ __device__ __forceinline__ void produce_rs(const Params& p, const Work& w, int s
     const uint32_t full = sb + L::kFull + 8 * stage;
     const uint32_t v = __ballot_sync(0xffffffffu, cur.data != nullptr) & 0xffffu;
     if (lane == 0) valid_words[4 * stage + pw] = v;  // (published by lane 0's arrival)
+    // MODEL1: the row's 8 scale bytes after its data (zeros for an invalid entry).
+    const auto copy_scales = [&](uint32_t row) {
+      cp_async_8(row + R::kScaleChunk * 16, cur.scales ? cur.scales : p.kv, cur.scales ? 8u : 0u);
+    };
     if (kAligned) {  // one bulk copy a row; zeros for an invalid entry
       if (lane < 16) {
         const uint32_t dst = tile + lane * kRsPitch;
-        if (!R::kV32) {  // MODEL1: the 8 scale bytes (zeros for an invalid entry)
-          cp_async_8(dst + R::kScaleChunk * 16, cur.scales ? cur.scales : p.kv, cur.scales ? 8u : 0u);
+        if (!R::kV32) {
+          copy_scales(dst);
           cp_async_arrive_noinc(full);
         }
         if (cur.data) {
@@ -289,10 +293,7 @@ __device__ __forceinline__ void produce_rs(const Params& p, const Work& w, int s
         ++row;
       }
     }
-    if (!R::kV32 && lane < 16) {  // MODEL1: the 8 scale bytes
-      cp_async_8(tile + lane * kRsPitch + R::kScaleChunk * 16, cur.scales ? cur.scales : p.kv,
-                 cur.scales ? 8u : 0u);
-    }
+    if (!R::kV32 && lane < 16) copy_scales(tile + lane * kRsPitch);
     cp_async_arrive_noinc(full);
     if (lane == 0) mbar_arrive(full);
     if (!has_next) break;
@@ -383,26 +384,30 @@ __device__ __forceinline__ void q_store(const QRegs<F>& qr, uint8_t* q_s, float*
 // float(bf16(x)): the rule's rounding of a V32 scale.
 __device__ __forceinline__ float bf16_round(float x) { return __uint_as_float(pack_bf16x2(x, 0.f) << 16); }
 
-// Scale k of a token as the rule uses it, from its row's scale chunk `f`: bf16(float32) (V32)
-// or a UE8M0 byte (MODEL1: a power of two).
+// Scale k of a token as the rule uses it: bf16(float32) (V32, one a word) or a UE8M0 byte
+// (MODEL1, four a word: a power of two). scale_word: the word of the scale chunk holding it;
+// scale_in: the scale from that word.
 template <KVFormat F>
-__device__ __forceinline__ float tile_scale(const uint4& f, int k) {
+__device__ __forceinline__ int scale_word(int k) {
+  return F == KVFormat::kV32 ? k : k >> 2;
+}
+template <KVFormat F>
+__device__ __forceinline__ float scale_in(uint32_t w, int k) {
   if constexpr (F == KVFormat::kV32) {
-    return bf16_round(__uint_as_float(word(f, k)));
+    return bf16_round(__uint_as_float(w));
   } else {
-    return ue8m0_to_float(static_cast<uint8_t>(word(f, k >> 2) >> (8 * (k & 3))));
+    return ue8m0_to_float(static_cast<uint8_t>(w >> (8 * (k & 3))));
   }
 }
 
-// The same from the smem address `at` of a token's scale chunk.
+// Scale k from a token's scale chunk in registers (`f`) or in smem (at address `at`).
 template <KVFormat F>
-__device__ __forceinline__ float token_scale(uint32_t at, int tile) {
-  if constexpr (F == KVFormat::kV32) {
-    return bf16_round(lds_f32(at + 4 * tile));
-  } else {
-    const uint32_t w = __float_as_uint(lds_f32(at + 4 * (tile >> 2)));
-    return ue8m0_to_float(static_cast<uint8_t>(w >> (8 * (tile & 3))));
-  }
+__device__ __forceinline__ float tile_scale(const uint4& f, int k) {
+  return scale_in<F>(word(f, scale_word<F>(k)), k);
+}
+template <KVFormat F>
+__device__ __forceinline__ float token_scale(uint32_t at, int k) {
+  return scale_in<F>(__float_as_uint(lds_f32(at + 4 * scale_word<F>(k))), k);
 }
 
 // Warpgroup A: S^T = K Q^T for every block, the softmax, and P^T (f16) and the column factors
@@ -697,10 +702,10 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     // The 4 raw chunks (dims 16 q .. + 15) of k-step ks's tokens bh = 0 .. 3; each k-step's are
     // loaded one k-step ahead (the first before A's P^T is waited for), so that no conversion
     // waits on its load.
+    const auto token = [&](int ks, int bh) { return 16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c; };
     const auto load_rows = [&](int ks, uint4(&rv)[4]) {
 #pragma unroll
-      for (int bh = 0; bh < 4; ++bh)
-        rv[bh] = lds128(raw + (16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c) * kRsPitch + q * 16);
+      for (int bh = 0; bh < 4; ++bh) rv[bh] = lds128(raw + token(ks, bh) * kRsPitch + q * 16);
     };
     uint4 rvs[2][4];
     load_rows(0, rvs[0]);
@@ -711,8 +716,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
       for (int bh = 0; bh < 4; ++bh) {
-        const int tok = 16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c;
-        sv[4 * ks + bh] = token_scale<F>(raw + tok * kRsPitch + R::kScaleChunk * 16, tile);
+        sv[4 * ks + bh] = token_scale<F>(raw + token(ks, bh) * kRsPitch + R::kScaleChunk * 16, tile);
         smax = fmaxf(smax, fabsf(sv[4 * ks + bh]));
       }
     smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));
@@ -739,8 +743,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
 #pragma unroll
     for (int i = 0; i < 8; ++i) scp[i] = pack_f16x2(sv[2 * i] * inv_c, sv[2 * i + 1] * inv_c);
     const auto scale_over_c = [&](int ks, int bh) {
-      const int tok = 16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c;
-      return token_scale<F>(raw + tok * kRsPitch + R::kScaleChunk * 16, tile) * inv_c;
+      return token_scale<F>(raw + token(ks, bh) * kRsPitch + R::kScaleChunk * 16, tile) * inv_c;
     };
     // (kRopeTile) the RoPE m-tile's A fragments, bf16 as stored: k-step ks's tokens bh = 0 .. 3
     // are the same as the codes' (k = 2 c, 2 c + 1, 2 c + 8, 2 c + 9); one 4-byte load gives a
@@ -752,7 +755,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
         uint32_t v[4];
 #pragma unroll
         for (int bh = 0; bh < 4; ++bh)
-          v[bh] = __float_as_uint(lds_f32(raw + (16 * ks + 4 * (bh & 1) + 8 * (bh >> 1) + c) * kRsPitch + rope_at));
+          v[bh] = __float_as_uint(lds_f32(raw + token(ks, bh) * kRsPitch + rope_at));
         ra[4 * ks + 0] = __byte_perm(v[0], v[1], 0x5410);
         ra[4 * ks + 1] = __byte_perm(v[0], v[1], 0x7632);
         ra[4 * ks + 2] = __byte_perm(v[2], v[3], 0x5410);
