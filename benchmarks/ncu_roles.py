@@ -8,6 +8,11 @@ out-of-line code the compiler put at the end).
 
     python3 benchmarks/ncu_roles.py ncu_source.csv                 # instructions, top stalls per region
     python3 benchmarks/ncu_roles.py ncu_source.csv --hot 1 --blocks 8192 --warps 4   # region 1's hottest lines
+    python3 benchmarks/ncu_roles.py ncu_source.csv --counts --blocks 2560 --warps 4  # by how often a line runs
+
+--counts groups each region's lines by how many times a warp runs them a block (with --blocks
+and --warps right: ~1 or more = every block, 1 / blocks-a-request = once a request, and so on),
+so that code run once a piece or a CTA shows its share of the samples.
 """
 import argparse
 import csv
@@ -34,11 +39,15 @@ def main():
     ap.add_argument("--top", type=int, default=30, help="how many lines --hot lists")
     ap.add_argument("--blocks", type=float, default=1.0, help="divide instruction counts by this (blocks)")
     ap.add_argument("--warps", type=float, default=1.0, help="and by this (warps a role)")
+    ap.add_argument("--counts", action="store_true", help="group each region's lines by their count a block")
     args = ap.parse_args()
     header, rows = read(args.csv)
     col = {h: i for i, h in enumerate(header)}
     stalls = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
     per = args.blocks * args.warps
+    if args.counts:
+        print_counts(rows, col, per)
+        return
     region, totals, lines = 0, {}, []
     for r in rows:
         if "USETMAXREG" in r[1]:
@@ -60,6 +69,24 @@ def main():
         return
     for samples, n, text, top in sorted(lines, reverse=True)[:args.top]:
         print(f"{samples:6.0f} {n:8.2f}  {text[:70]:70s} " + " ".join(f"{s[6:]}:{v:.0f}" for v, s in top if v))
+
+
+def print_counts(rows, col, per):
+    """Each region's lines grouped by count a block per warp (2 decimals; 1 and over together)."""
+    region, groups = 0, {}
+    for r in rows:
+        if "USETMAXREG" in r[1]:
+            region += 1
+        n = number(r[col["Instructions Executed"]]) / per
+        key = (region, 1.0 if n >= 1 else round(n, 2))
+        g = groups.setdefault(key, [0, 0.0, 0.0])
+        g[0] += 1
+        g[1] += n
+        g[2] += number(r[col["Warp Stall Sampling (All Samples)"]])
+    for (k, count), (lines, instr, samples) in sorted(groups.items()):
+        if samples >= 20:
+            label = ">=1" if count == 1.0 else f"{count:.2f}"
+            print(f"region {k}: count {label:>5}  lines {lines:5d}  instructions {instr:8.1f}  samples {samples:6.0f}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The device-side tools in benchmarks/ still build against the current kernel sources (their
 runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, the CTA
 timeline program, the microbenchmarks, the minimal kernels that reproduce racecheck's reports
-(named-barrier and mbarrier hand-offs); the parser that turns an ncu log into our kernel time
-per call (benchmarks/kernel_times.py); the NumPy model of the 16-head kernel's rounding
+(named-barrier, mbarrier and cp.async hand-offs); the parser that turns an ncu log into our
+kernel time per call (benchmarks/kernel_times.py); the split of ncu's source counters by role
+and by how often a line runs (benchmarks/ncu_roles.py); the NumPy model of the 16-head kernel's rounding
 (benchmarks/numerics_probe.py); and the one of the f16-product variant's
 (benchmarks/emulate_f16_products.py)."""
 
@@ -96,6 +97,25 @@ def test_kernel_times_line_and_incomplete_log(tmp_path):
     log.write_text(NCU_LOG.split("  unnamed>")[0])  # no combine launch: not a time per call
     done = subprocess.run([sys.executable, str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
     assert "incomplete" in done.stdout
+
+
+def test_ncu_roles_groups_lines_by_how_often_they_run(tmp_path):
+    # Two blocks, one warp: after the USETMAXREG, a line run twice (every block), one run once
+    # (every other block) and one never run; region 0 is the code before.
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_wait"]
+    lines = [["0", "MOV R1, R2", "5", "2", "5"], ["10", "USETMAXREG.TRY_ALLOC UP0, 0xc8", "0", "2", "0"],
+             ["20", "FFMA R3, R4, R5, R6", "40", "2", "40"], ["30", "FADD R7, R8, R9", "30", "1", "30"],
+             ["40", "EXIT", "0", "0", "0"]]
+    csv_file = tmp_path / "ncu_source.csv"
+    csv_file.write_text('"Kernel Name","k",\n' + "\n".join(",".join(f'"{v}"' for v in row) for row in [header, *lines]))
+    script = ROOT / "benchmarks/ncu_roles.py"
+    done = subprocess.run([sys.executable, str(script), str(csv_file), "--counts", "--blocks", "2"],
+                          capture_output=True, text=True, check=True)
+    rows = [line.split() for line in done.stdout.splitlines()]
+    # Groups with fewer than 20 samples (region 0, the line never run) are left out; the
+    # USETMAXREG line opens region 1 and counts among its every-block lines.
+    assert [(r[1], r[3], r[5]) for r in rows] == [("1:", "0.50", "1"), ("1:", ">=1", "2")]
+    assert [r[-1] for r in rows] == ["30", "40"]
 
 
 @pytest.mark.parametrize("rounded_sums", [False, True])
