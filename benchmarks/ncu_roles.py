@@ -25,6 +25,15 @@ def read(path):
     return header, [r for r in rows[start + 1:] if len(r) >= len(header)]
 
 
+def by_region(rows):
+    """(region, row) for each SASS row: region k is the code after the k-th USETMAXREG."""
+    region = 0
+    for r in rows:
+        if "USETMAXREG" in r[1]:
+            region += 1
+        yield region, r
+
+
 def number(text):
     try:
         return float(text.replace(",", ""))
@@ -48,10 +57,8 @@ def main():
     if args.counts:
         print_counts(rows, col, per)
         return
-    region, totals, lines = 0, {}, []
-    for r in rows:
-        if "USETMAXREG" in r[1]:
-            region += 1
+    totals, lines = {}, []
+    for region, r in by_region(rows):
         t = totals.setdefault(region, {"instr": 0.0, "samples": 0.0, **{s: 0.0 for s in stalls}})
         t["instr"] += number(r[col["Instructions Executed"]])
         samples = number(r[col["Warp Stall Sampling (All Samples)"]])
@@ -73,10 +80,8 @@ def main():
 
 def print_counts(rows, col, per):
     """Each region's lines grouped by count a block per warp (2 decimals; 1 and over together)."""
-    region, groups = 0, {}
-    for r in rows:
-        if "USETMAXREG" in r[1]:
-            region += 1
+    groups = {}
+    for region, r in by_region(rows):
         n = number(r[col["Instructions Executed"]]) / per
         key = (region, 1.0 if n >= 1 else round(n, 2))
         g = groups.setdefault(key, [0, 0.0, 0.0])

@@ -3,8 +3,8 @@ runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run 
 timeline program, the microbenchmarks, the minimal kernels that reproduce racecheck's reports
 (named-barrier, mbarrier and cp.async hand-offs); the parser that turns an ncu log into our
 kernel time per call (benchmarks/kernel_times.py); the split of ncu's source counters by role
-and by how often a line runs (benchmarks/ncu_roles.py); the NumPy model of the 16-head kernel's rounding
-(benchmarks/numerics_probe.py); and the one of the f16-product variant's
+and by how often a line runs (benchmarks/ncu_roles.py); the NumPy model of the 16-head
+kernel's rounding (benchmarks/numerics_probe.py); and the one of the f16-product variant's
 (benchmarks/emulate_f16_products.py)."""
 
 import shutil
