@@ -308,7 +308,7 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
             timeout ${KTIME_T:-150} env "${envs[@]}" ncu --clock-control none --cache-control none \
               --metrics gpu__time_duration.sum -k regex:"decode_kernel|combine_kernel" \
               python3 -c "import sys; sys.path.insert(0, '.anchor')
-import side_by_side as s; from jax_sparse_mla import bench; shape = bench.PRESETS['$sh']
+import side_by_side as s; from jax_sparse_mla import bench; shape = bench.shape_from_name('$sh')
 s.time_ours(shape, bench.make_inputs(shape, max(bench._sets_for(shape), bench.CALLS_PER_TIMING)), 3)" \
               >"$log" 2>&1 || tail -5 "$log"
             note "$tag: $(python3 benchmarks/kernel_times.py "$log" "$sh")"

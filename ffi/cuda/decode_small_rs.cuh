@@ -685,10 +685,18 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
   int pieces = 0;
   float cn = kCMin;   // this thread's normalizer (the same across its quad)
   float piece_max = 0.f;  // the piece's largest scale so far in this thread's scale tile
+  // MODEL1: a piece's first block overwrites O^T (its first k-step's products ignore the old
+  // values) and the piece's output slot is read then: 2% off its 16-head time (no zeroing
+  // moves). V32 zeroes O^T after each piece's output and reads the slot there: overwriting
+  // cost its 16 heads 3% (benchmarks/NOTES.md, sessions 24-25).
+  constexpr bool kOverwrite = kRopeTile;
   float o[8 * kAcc];  // O^T / cn: m-tile mt (dims 16 q + 2 mt, + 1) at o[mt * kAcc ..]
-  zero(o);
   float orope[kRopeTile ? kAcc : 1];  // (kRopeTile) the RoPE dims' O^T, not in units of cn
-  zero(orope);
+  if constexpr (!kOverwrite) {
+    zero(o);
+    zero(orope);
+  }
+  PieceOut po;
 
   for (int n = 0;; ++n) {
     Cursor nx = cur;
@@ -697,6 +705,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     const int stage = n % kRsStages;
     const uint32_t raw = sb + L::kRaw + stage * L::kRawTile;
     const int pb = n & 1;
+    if (kOverwrite && first) po = piece_out(p, w, cur.r);
 
     mbar_wait(sb + L::kFull + 8 * stage, (n / kRsStages) & 1);
     // The 4 raw chunks (dims 16 q .. + 15) of k-step ks's tokens bh = 0 .. 3; each k-step's are
@@ -795,7 +804,8 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
       wgmma_fence();
 #pragma unroll
       for (int k4 = 0; k4 < 4; ++k4)
-        wgmma_m64nNk16_rs<false, H>(orope, ra + 4 * k4, dpb + static_cast<uint64_t>(k4 * 2 * H * 16 / 16));
+        wgmma_m64nNk16_rs_or_overwrite<false, H>(orope, ra + 4 * k4,
+                                                 dpb + static_cast<uint64_t>(k4 * 2 * H * 16 / 16), !first || k4 > 0);
       wgmma_commit();
     }
     // Each k-step's 8 m-tiles go to the tensor cores in kGroups commit groups of kMtG; a group's
@@ -837,9 +847,14 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
       if (gn == 0) pin(o);
       wgmma_fence();
 #pragma unroll
-      for (int mi = 0; mi < kMtG; ++mi)
-        wgmma_m64nNk16_rs<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi,
-                                   dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16));
+      for (int mi = 0; mi < kMtG; ++mi) {
+        const uint64_t db = dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16);
+        if constexpr (kOverwrite) {
+          wgmma_m64nNk16_rs_or_overwrite<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi, db, !first || ks > 0);
+        } else {
+          wgmma_m64nNk16_rs<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi, db);
+        }
+      }
       wgmma_commit();
     }
     wgmma_wait<0>();
@@ -847,9 +862,8 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     pin(orope);
     named_bar_arrive(kRsBarPFree + pb, 2 * kWarpgroup);
 
-    first = last;
     if (last) {  // the piece's output: O^T times cn and A's factors
-      const PieceOut po = piece_out(p, w, cur.r);
+      if constexpr (!kOverwrite) po = piece_out(p, w, cur.r);
       ++pieces;
       if (po.write) {
         // Head 8 (j / 2) + 2 c + j % 2: this thread's 16 dims 16 q .. + 15, dim 2 mt + hf
@@ -888,11 +902,14 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
           }
         }
       }
-      zero(o);
-      zero(orope);
+      if constexpr (!kOverwrite) {
+        zero(o);
+        zero(orope);
+      }
       cn = kCMin;
       piece_max = 0.f;
     }
+    first = last;
     if (nx.r > w.end_req) break;
     cur = nx;
   }

@@ -174,30 +174,43 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float* d, const uint32_t*
 // decode_kernel_rs.)
 #define JSM_ACC16_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define JSM_ACC16(k, d) JSM_ACC8(k, (d)), JSM_ACC8(k, (d + 8))
-#define JSM_WGMMA_RS(SHAPE_TYPES, ACC_REGS, ACC, TAIL, PRED)                                                 \
+#define JSM_WGMMA_RS(SHAPE_TYPES, ACC_REGS, ACC, TAIL, PRED, SCALE_D)                                        \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                           \
                "wgmma.mma_async.sync.aligned." SHAPE_TYPES " " ACC_REGS ", " TAIL ";\n}\n"                  \
                : ACC(JSM_INOUT, d)                                                                           \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate), "n"(kScaleA),    \
-                 "n"(kScaleB), "n"(kKMajor)                                                                  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), SCALE_D, "n"(kScaleA), "n"(kScaleB), \
+                 "n"(kKMajor)                                                                                \
                : "memory")
 #define JSM_RS_TAIL_N16 "{%8, %9, %10, %11}, %12, p, %14, %15, %16"
 #define JSM_RS_TAIL_N32 "{%16, %17, %18, %19}, %20, p, %22, %23, %24"
+// One instance of the product per shape and type; SCALE_D is its scale-d operand.
+#define JSM_WGMMA_RS_ALL(SCALE_D)                                                                       \
+  static_assert(N == 16 || N == 32, "m64n16k16 or m64n32k16");                                          \
+  if constexpr (N == 16 && kF16) {                                                                      \
+    JSM_WGMMA_RS("m64n16k16.f32.f16.f16", JSM_ACC8_REGS, JSM_ACC8, JSM_RS_TAIL_N16, "%13", SCALE_D);    \
+  } else if constexpr (N == 16) {                                                                       \
+    JSM_WGMMA_RS("m64n16k16.f32.bf16.bf16", JSM_ACC8_REGS, JSM_ACC8, JSM_RS_TAIL_N16, "%13", SCALE_D);  \
+  } else if constexpr (kF16) {                                                                          \
+    JSM_WGMMA_RS("m64n32k16.f32.f16.f16", JSM_ACC16_REGS, JSM_ACC16, JSM_RS_TAIL_N32, "%21", SCALE_D);  \
+  } else {                                                                                              \
+    JSM_WGMMA_RS("m64n32k16.f32.bf16.bf16", JSM_ACC16_REGS, JSM_ACC16, JSM_RS_TAIL_N32, "%21", SCALE_D); \
+  }
 
 // D(64 x N) += A B with A from registers: N = 16 or 32, f16 (kF16) or bf16 inputs.
 template <bool kF16, int N>
 __device__ __forceinline__ void wgmma_m64nNk16_rs(float* d, const uint32_t* a, uint64_t desc_b) {
-  static_assert(N == 16 || N == 32, "m64n16k16 or m64n32k16");
-  if constexpr (N == 16 && kF16) {
-    JSM_WGMMA_RS("m64n16k16.f32.f16.f16", JSM_ACC8_REGS, JSM_ACC8, JSM_RS_TAIL_N16, "%13");
-  } else if constexpr (N == 16) {
-    JSM_WGMMA_RS("m64n16k16.f32.bf16.bf16", JSM_ACC8_REGS, JSM_ACC8, JSM_RS_TAIL_N16, "%13");
-  } else if constexpr (kF16) {
-    JSM_WGMMA_RS("m64n32k16.f32.f16.f16", JSM_ACC16_REGS, JSM_ACC16, JSM_RS_TAIL_N32, "%21");
-  } else {
-    JSM_WGMMA_RS("m64n32k16.f32.bf16.bf16", JSM_ACC16_REGS, JSM_ACC16, JSM_RS_TAIL_N32, "%21");
-  }
+  JSM_WGMMA_RS_ALL("n"(kAccumulate));
 }
+
+// The same with scale-d chosen at run time: `accumulate` false gives D = A B, D's old values
+// (NaN included) ignored.
+template <bool kF16, int N>
+__device__ __forceinline__ void wgmma_m64nNk16_rs_or_overwrite(float* d, const uint32_t* a, uint64_t desc_b,
+                                                               bool accumulate) {
+  const int scale_d = accumulate ? kAccumulate : kOverwrite;
+  JSM_WGMMA_RS_ALL("r"(scale_d));
+}
+#undef JSM_WGMMA_RS_ALL
 #undef JSM_WGMMA_RS
 #undef JSM_RS_TAIL_N16
 #undef JSM_RS_TAIL_N32
