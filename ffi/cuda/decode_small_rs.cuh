@@ -689,10 +689,10 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
   // values) and the piece's output slot is read then: 2% off its 16-head time (no zeroing
   // moves). V32 zeroes O^T after each piece's output and reads the slot there: overwriting
   // cost its 16 heads 3% (benchmarks/NOTES.md, sessions 24-25).
-  constexpr bool kOverwrite = kRopeTile;
+  constexpr bool kFirstBlockOverwrites = kRopeTile;
   float o[8 * kAcc];  // O^T / cn: m-tile mt (dims 16 q + 2 mt, + 1) at o[mt * kAcc ..]
   float orope[kRopeTile ? kAcc : 1];  // (kRopeTile) the RoPE dims' O^T, not in units of cn
-  if constexpr (!kOverwrite) {
+  if constexpr (!kFirstBlockOverwrites) {
     zero(o);
     zero(orope);
   }
@@ -705,7 +705,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     const int stage = n % kRsStages;
     const uint32_t raw = sb + L::kRaw + stage * L::kRawTile;
     const int pb = n & 1;
-    if (kOverwrite && first) po = piece_out(p, w, cur.r);
+    if (kFirstBlockOverwrites && first) po = piece_out(p, w, cur.r);
 
     mbar_wait(sb + L::kFull + 8 * stage, (n / kRsStages) & 1);
     // The 4 raw chunks (dims 16 q .. + 15) of k-step ks's tokens bh = 0 .. 3; each k-step's are
@@ -849,7 +849,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
 #pragma unroll
       for (int mi = 0; mi < kMtG; ++mi) {
         const uint64_t db = dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16);
-        if constexpr (kOverwrite) {
+        if constexpr (kFirstBlockOverwrites) {  // (V32 keeps the immediate scale-d: a register one moved its schedule)
           wgmma_m64nNk16_rs_or_overwrite<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi, db, !first || ks > 0);
         } else {
           wgmma_m64nNk16_rs<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi, db);
@@ -863,7 +863,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     named_bar_arrive(kRsBarPFree + pb, 2 * kWarpgroup);
 
     if (last) {  // the piece's output: O^T times cn and A's factors
-      if constexpr (!kOverwrite) po = piece_out(p, w, cur.r);
+      if constexpr (!kFirstBlockOverwrites) po = piece_out(p, w, cur.r);
       ++pieces;
       if (po.write) {
         // Head 8 (j / 2) + 2 c + j % 2: this thread's 16 dims 16 q .. + 15, dim 2 mt + hf
@@ -902,7 +902,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
           }
         }
       }
-      if constexpr (!kOverwrite) {
+      if constexpr (!kFirstBlockOverwrites) {
         zero(o);
         zero(orope);
       }
