@@ -29,13 +29,15 @@ _PER_REQUEST = ("q", "indices", "topk_length", "extra_indices", "extra_topk_leng
 
 
 def _pool(rng, fmt, b=POOL, h_q=16):
-    """`b` requests over shared caches; half the main lengths near top-k (two chunks), some past
-    it or negative (clamped), extra lengths anywhere in [0, extra_topk]."""
+    """`b` requests over shared caches; half the main lengths near top-k (mostly two chunks), some
+    past it or negative (clamped), extra lengths anywhere in [0, extra_topk]. One request, at a
+    random position, is always past one chunk on its main list alone, so every pool splits one."""
     case = make_case(rng, fmt, b=b, s_q=2, h_q=h_q, topk=TOPK, page_size=64, num_blocks=40, extra_topk=EXTRA_TOPK,
                      extra_page_size=16, extra_num_blocks=16, with_lengths=True, with_sink=True, nan_fill=False,
                      sm_scale=0.05)
     near = rng.integers(TOPK - 200, TOPK + 30, b)
     lens = np.where(rng.random(b) < 0.5, near, rng.integers(-3, TOPK + 1, b))
+    lens[rng.integers(b)] = rng.integers(C * ENTRIES + 1, TOPK + 30)
     case["topk_length"] = jnp.asarray(lens, jnp.int32)
     case["extra_topk_length"] = jnp.asarray(rng.integers(0, EXTRA_TOPK + 1, b), jnp.int32)
     return case
