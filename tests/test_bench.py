@@ -175,10 +175,27 @@ def test_shape_from_name():
     s = bench.shape_from_name("model1_h16_s2_b2_k32_x40_p16_n128")
     assert (s.fmt, s.h_q, s.s_q, s.b, s.topk, s.extra_topk, s.page, s.s_k) == ("MODEL1", 16, 2, 2, 32, 40, 16, 128)
     assert s.name == "model1_h16_s2_b2_k32_x40_p16_n128"
+    assert bench.shape_from_name("model1_h16_s2_b2_k32_x40_p16_n128_i7").invalid_tail == 7
     for bad, why in [("v32_h16", "unknown shape"), ("v32_h16_s1_b2_k64_x8", "extra cache"),
-                     ("v32_h16_s1_b2_k64_n32", "fewer than topk")]:
+                     ("v32_h16_s1_b2_k64_n32", "fewer than topk"), ("model1_h16_s1_b2_k64_x40_i40", "list empty")]:
         with pytest.raises(ValueError, match=why):
             bench.shape_from_name(bad)
+
+
+def test_invalid_tails():
+    """_iN: the last N entries of every list are -1 (a short context's padded list); the rest are
+    distinct tokens of the request, and only they count as bytes read or products."""
+    shape = bench.shape_from_name("model1_h16_s2_b3_k64_x40_p16_n128_i5")
+    inp = bench.make_inputs(shape, sets=2)
+    for lists, topk in ((inp.idxs, 64), (inp.extra_idxs, 40)):
+        for idx in map(np.asarray, lists):
+            assert (idx[..., topk - 5:] == -1).all() and (idx[..., :topk - 5] >= 0).all()
+            for row in idx.reshape(-1, topk):
+                assert len(set(row[:topk - 5])) == topk - 5
+    assert inp.distinct_tokens <= 3 * 2 * (64 - 5 + 40 - 5)
+    flop, _ = bench.cost(shape, inp.distinct_tokens)
+    full, _ = bench.cost(bench.shape_from_name("model1_h16_s2_b3_k64_x40_p16_n128"), inp.distinct_tokens)
+    assert flop / full == pytest.approx((64 + 40 - 10) / (64 + 40))
 
 
 def _table_line(text, shape):

@@ -75,6 +75,7 @@ class Shape:
     extra_topk: int = 0
     extra_page: int = 64
     extra_s_k: int = 0
+    invalid_tail: int = 0  # the last entries of every list are -1, as an indexer pads a short context's
     flashmla_us: float | None = None  # FlashMLA's published time, H200 (docs/performance.md)
     perf_xla_us: float | None = None  # the pure-JAX path's published time (docs/performance.md)
     label: str = ""  # the name a custom shape was asked for by (it names its page and token counts)
@@ -130,29 +131,33 @@ _ALL = [
     Shape("MODEL1", 128, 2, 148, 16384, page=64, s_k=65536, flashmla_us=2835.8),
 ]
 PRESETS = {s.name: s for s in _ALL}
+CUSTOM_FORMAT = "{v32|model1}_hH_sS_bB_kTOPK[_xEXTRA][_pPAGE][_nTOKENS][_iINVALID]"
 _CUSTOM = re.compile(r"(?P<fmt>v32|model1)_h(?P<h>\d+)_s(?P<s>\d+)_b(?P<b>\d+)_k(?P<k>\d+)"
-                     r"(?:_x(?P<x>\d+))?(?:_p(?P<p>\d+))?(?:_n(?P<n>\d+))?")
+                     r"(?:_x(?P<x>\d+))?(?:_p(?P<p>\d+))?(?:_n(?P<n>\d+))?(?:_i(?P<i>\d+))?")
 
 
 def shape_from_name(name: str) -> Shape:
-    """A preset by name, or a custom shape `{v32|model1}_hH_sS_bB_kTOPK[_xEXTRA][_pPAGE][_nTOKENS]`
-    (page 64, TOKENS per request max(32768, 4 TOPK) unless given; the extra cache of MODEL1 has
-    pages of 64 and 4 EXTRA tokens per request). E.g. v32_h16_s1_b2_k64_p16_n256 runs in seconds
-    on a CPU."""
+    """A preset by name, or a custom shape (CUSTOM_FORMAT): page 64, TOKENS per request
+    max(32768, 4 TOPK) unless given; the extra cache of MODEL1 has pages of 64 and 4 EXTRA tokens
+    per request; with _iINVALID the last INVALID entries of every list (main and extra) are -1, as
+    an indexer pads the list of a context shorter than top-k. E.g. v32_h16_s1_b2_k64_p16_n256 runs
+    in seconds on a CPU."""
     if name in PRESETS:
         return PRESETS[name]
     m = _CUSTOM.fullmatch(name)
     if m is None:
-        raise ValueError(f"unknown shape {name!r}: a preset (see --list) or "
-                         "{v32|model1}_hH_sS_bB_kTOPK[_xEXTRA][_pPAGE][_nTOKENS]")
+        raise ValueError(f"unknown shape {name!r}: a preset (see --list) or {CUSTOM_FORMAT}")
     topk, extra = int(m["k"]), int(m["x"] or 0)
     if extra and m["fmt"] == "v32":
         raise ValueError(f"{name!r}: only MODEL1 has an extra cache (_x)")
     s_k = int(m["n"] or max(32768, 4 * topk))
     if s_k < topk:
         raise ValueError(f"{name!r}: {s_k} tokens per request is fewer than topk {topk}")
+    invalid = int(m["i"] or 0)
+    if invalid >= min(topk, extra or topk):
+        raise ValueError(f"{name!r}: {invalid} invalid entries leave a list empty (topk {topk}, extra {extra})")
     return Shape(m["fmt"].upper(), int(m["h"]), int(m["s"]), int(m["b"]), topk, page=int(m["p"] or 64), s_k=s_k,
-                 extra_topk=extra, extra_s_k=4 * extra, label=name)
+                 extra_topk=extra, extra_s_k=4 * extra, invalid_tail=invalid, label=name)
 
 
 # A quick default: the shape of the 3x bar, plus one small and one MODEL1 shape.
@@ -161,8 +166,9 @@ DEFAULT_SHAPES = ["v32_h128_s2_b128_k2048", "v32_h128_s2_b1_k2048", "model1_h128
 
 # ---- inputs -----------------------------------------------------------------------------------
 
-def _paged_list(rng, b, s_q, topk, s_k, page):
-    """Page tables and per-row distinct token picks; returns global indices and the page count."""
+def _paged_list(rng, b, s_q, topk, s_k, page, invalid=0):
+    """Page tables and per-row distinct token picks, the last `invalid` of each row -1; returns
+    global indices and the page count."""
     pages_per_req = -(-s_k // page)
     num_blocks = b * pages_per_req
     table = rng.permutation(num_blocks).reshape(b, pages_per_req)
@@ -172,6 +178,7 @@ def _paged_list(rng, b, s_q, topk, s_k, page):
         for s in range(s_q):
             tok = rng.choice(lens[i], size=topk, replace=False)
             idx[i, s] = table[i, tok // page] * page + tok % page
+    idx[..., topk - invalid:] = -1
     return idx.astype(np.int32), num_blocks
 
 
@@ -207,10 +214,11 @@ def make_inputs(shape: Shape, sets: int, seed: int = 0) -> Inputs:
     key = jax.random.key(seed)
     lists, extra_lists = [], []
     for _ in range(sets):
-        idx, nb = _paged_list(rng, shape.b, shape.s_q, shape.topk, shape.s_k, shape.page)
+        idx, nb = _paged_list(rng, shape.b, shape.s_q, shape.topk, shape.s_k, shape.page, shape.invalid_tail)
         lists.append(idx)
         if shape.extra_topk:
-            eidx, enb = _paged_list(rng, shape.b, shape.s_q, shape.extra_topk, shape.extra_s_k, shape.extra_page)
+            eidx, enb = _paged_list(rng, shape.b, shape.s_q, shape.extra_topk, shape.extra_s_k, shape.extra_page,
+                                    shape.invalid_tail)
             extra_lists.append(eidx)
     # One cache (the tables above all have the same block count); pages differ per set.
     kv = _cache(key, fmt, nb, shape.page, np.concatenate([x.reshape(-1) for x in lists]))
@@ -221,9 +229,9 @@ def make_inputs(shape: Shape, sets: int, seed: int = 0) -> Inputs:
     qs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (shape.b, shape.s_q, shape.h_q, fmt.d_qk),
                             jnp.float32).astype(jnp.bfloat16) for i in range(sets)]
     sink = jnp.asarray(rng.normal(1.0, 1.0, size=shape.h_q).astype(np.float32))
-    distinct = np.mean([np.unique(x).size for x in lists])
+    distinct = np.mean([np.unique(x[x >= 0]).size for x in lists])
     if shape.extra_topk:
-        distinct += np.mean([np.unique(x).size for x in extra_lists])
+        distinct += np.mean([np.unique(x[x >= 0]).size for x in extra_lists])
     return Inputs(qs=[jnp.asarray(q) for q in qs], idxs=[jnp.asarray(x) for x in lists], kv=kv,
                   extra_idxs=[jnp.asarray(x) for x in extra_lists] if shape.extra_topk else None,
                   extra_kv=extra_kv, sink=sink, distinct_tokens=float(distinct))
@@ -283,7 +291,8 @@ def _time(fn, args, iters: int, calls: int) -> float:
 
 def cost(shape: Shape, distinct_tokens: float):
     fmt = KVFormat.coerce(shape.fmt)
-    n = shape.b * shape.s_q * (shape.topk + shape.extra_topk)
+    lists = 2 if shape.extra_topk else 1
+    n = shape.b * shape.s_q * (shape.topk + shape.extra_topk - lists * shape.invalid_tail)  # valid entries
     flop = 2.0 * shape.h_q * n * (fmt.d_qk + 512)
     token_bytes = 656 if fmt is KVFormat.V32 else 576
     nbytes = (shape.b * shape.s_q * shape.h_q * (fmt.d_qk + 512) * 2) + distinct_tokens * token_bytes
@@ -499,8 +508,7 @@ def _progress(total: int):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES,
-                    help="preset names (see --list), 'all', or custom shapes "
-                         "{v32|model1}_hH_sS_bB_kTOPK[_xEXTRA][_pPAGE][_nTOKENS]")
+                    help=f"preset names (see --list), 'all', or custom shapes {CUSTOM_FORMAT}")
     ap.add_argument("--iters", type=int, default=20, help="timed repetitions per shape (median reported)")
     ap.add_argument("--no-xla", action="store_true", help="skip the gather-first pure-JAX path")
     ap.add_argument("--no-reference", action="store_true", help="skip reference.sparse_mla_decode")
