@@ -269,28 +269,57 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
   # or "base" for the tree as it is) applied, built, smoked and timed against FlashMLA on $KSHAPES
   # (VARIANT_TIMER=ours: our kernels alone, faster), then reverted. Runs last: the build left
   # behind is the last variant's.
+  # VARIANT_PREBUILD=1: every variant is built first, all at once, each in a patched copy of the
+  # tree installed into its own directory (/tmp/variants/NAME/site), and smoked and timed from
+  # there (benchmarks/variant_python.py); the tree itself is not touched. One build's time for
+  # all of them instead of one each (~50 s a variant).
   [[ -f .anchor/ktime.sh && ${VARIANT_TIMER:-ktime} != ours ]] && python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1
   # "a+b": patches a and b together, applied in that order
   patches_of() { [[ $1 == base ]] || tr '+' '\n' <<<"$1" | sed 's#.*#benchmarks/patches/&.patch#'; }
+  prebuilt() { [[ ${VARIANT_PREBUILD:-0} == 1 ]]; }
+  if prebuilt; then
+    stamp "variants: building ${VARIANTS:-base}"
+    for v in ${VARIANTS:-base}; do
+      vf=${v//+/_and_}; dir=/tmp/variants/$vf
+      rm -rf "$dir"; mkdir -p "$dir/src"
+      tar c --exclude=./build --exclude=./.anchor --exclude=./.git --exclude=./.whl . | tar x -C "$dir/src"
+      ( cd "$dir/src" && for patch in $(patches_of "$v"); do git apply "$patch" || exit 1; done &&
+        python3 -m pip install --no-build-isolation --no-deps --target "$dir/site" . ; echo $? >"$dir/rc"
+      ) >"$OUT/build_$vf.log" 2>&1 &
+    done
+    wait
+    if ! cat /tmp/variants/*/rc 2>/dev/null | grep -qx 0; then
+      note "VARIANT_PREBUILD: no variant built (build_*.log); building them in the tree, one by one"
+      VARIANT_PREBUILD=0
+    fi
+  fi
   for v in ${VARIANTS:-base}; do
     stamp "variant $v"
     vf=${v//+/_and_}  # file names: the transfer back refuses a "+"
     applied=()
-    for patch in $(patches_of "$v"); do
-      git apply "$patch" && applied=("$patch" "${applied[@]}") || break
-    done
-    if [[ ${#applied[@]} != $(patches_of "$v" | wc -l) ]]; then
-      for patch in "${applied[@]}"; do git apply -R "$patch"; done
-      note "$v: does not apply"; continue
+    if prebuilt; then
+      py=(python3 benchmarks/variant_python.py "/tmp/variants/$vf/site")
+      [[ $(cat "/tmp/variants/$vf/rc" 2>/dev/null) == 0 ]]; built=$?
+      [[ -f /tmp/variants/$vf/rc ]] || { note "$v: does not apply"; continue; }
+    else
+      py=(python3)
+      for patch in $(patches_of "$v"); do
+        git apply "$patch" && applied=("$patch" "${applied[@]}") || break
+      done
+      if [[ ${#applied[@]} != $(patches_of "$v" | wc -l) ]]; then
+        for patch in "${applied[@]}"; do git apply -R "$patch"; done
+        note "$v: does not apply"; continue
+      fi
+      # Rebuild what this variant and the last one (reverted) changed: a patch of .cu files only
+      # (the combine's) recompiles those alone; one that touches a header, everything (the
+      # header dependencies of the CUDA sources are not trusted to be tracked).
+      changed=$(for patch in $(patches_of "$v") $last_patches; do git apply --numstat "$patch" | cut -f3; done)
+      if [[ -z $changed ]]; then :; elif grep -qv '\.cu$' <<<"$changed"; then touch ffi/cuda/*; else touch $changed; fi
+      last_patches=$(patches_of "$v")
+      build_tree "-DCMAKE_CUDA_FLAGS=" "$OUT/build_$vf.log"; built=$?
     fi
-    # Rebuild what this variant and the last one (reverted) changed: a patch of .cu files only
-    # (the combine's) recompiles those alone; one that touches a header, everything (the
-    # header dependencies of the CUDA sources are not trusted to be tracked).
-    changed=$(for patch in $(patches_of "$v") $last_patches; do git apply --numstat "$patch" | cut -f3; done)
-    if [[ -z $changed ]]; then :; elif grep -qv '\.cu$' <<<"$changed"; then touch ffi/cuda/*; else touch $changed; fi
-    last_patches=$(patches_of "$v")
-    if build_tree "-DCMAKE_CUDA_FLAGS=" "$OUT/build_$vf.log"; then
-      timeout ${SMOKE_T:-150} python3 benchmarks/gpu_smoke.py >"$OUT/smoke_$vf.log" 2>&1
+    if [[ $built == 0 ]]; then
+      timeout ${SMOKE_T:-150} "${py[@]}" benchmarks/gpu_smoke.py >"$OUT/smoke_$vf.log" 2>&1
       line=$(smoke_line "$OUT/smoke_$vf.log")
       note "$v: $line"
       if smoke_passed "$line" && [[ ${VARIANT_TIMER:-ktime} == ours && -f .anchor/side_by_side.py ]]; then
@@ -307,7 +336,7 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
             log="$logs/ncu_${sh}_${e//[^A-Za-z0-9]/_}.log"
             timeout ${KTIME_T:-150} env "${envs[@]}" ncu --clock-control none --cache-control none \
               --metrics gpu__time_duration.sum -k regex:"decode_kernel|combine_kernel" \
-              python3 -c "import sys; sys.path.insert(0, '.anchor')
+              "${py[@]}" -c "import sys; sys.path.insert(0, '.anchor')
 import side_by_side as s; from jax_sparse_mla import bench; shape = bench.shape_from_name('$sh')
 s.time_ours(shape, bench.make_inputs(shape, max(bench._sets_for(shape), bench.CALLS_PER_TIMING)), 3)" \
               >"$log" 2>&1 || tail -5 "$log"
@@ -315,6 +344,7 @@ s.time_ours(shape, bench.make_inputs(shape, max(bench._sets_for(shape), bench.CA
           done
         done
       elif smoke_passed "$line" && [[ -f .anchor/ktime.sh ]]; then
+        if prebuilt; then note "$v: VARIANT_PREBUILD times with VARIANT_TIMER=ours only"; continue; fi
         OUT="$OUT/$vf" KSHAPES="${KSHAPES:-v32_h16_s2_b128_k2048}" bash .anchor/ktime.sh >/dev/null 2>&1
         while read -r k; do note "$v: $k"; done < <(grep KTIME "$OUT/$vf/ktime.txt" 2>/dev/null)
       fi

@@ -180,3 +180,24 @@ def test_jsm_seed_replays_a_seed(monkeypatch, capsys):
     assert np.array_equal(replayed, np.random.default_rng(3772863388).integers(0, 2**31, 8))
     monkeypatch.delenv("JSM_SEED")
     assert not np.array_equal(fresh_rng().integers(0, 2**31, 8), replayed)
+
+
+def test_variant_python_imports_the_variant(tmp_path):
+    """device_run.sh's VARIANT_PREBUILD runs scripts against a variant's install dir: its
+    jax_sparse_mla wins over the repository's even for a script that puts the repository root
+    first (as gpu_smoke.py does), `-c` code gets its arguments, and a missing build says so."""
+    site = tmp_path / "site"
+    (site / "jax_sparse_mla").mkdir(parents=True)
+    (site / "jax_sparse_mla" / "__init__.py").write_text("VARIANT = 'patched'\n")
+    script = tmp_path / "script.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+                      "import jax_sparse_mla; print(jax_sparse_mla.VARIANT, sys.argv[1:])\n")
+    run = [sys.executable, str(ROOT / "benchmarks" / "variant_python.py"), str(site)]
+    out = subprocess.run([*run, str(script), "x"], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.split() == ["patched", "['x']"]
+    out = subprocess.run([*run, "-c", "import sys, jax_sparse_mla; print(jax_sparse_mla.VARIANT, sys.argv)", "y"],
+                         capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.split() == ["patched", "['-c',", "'y']"]
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "variant_python.py"), str(tmp_path / "none"),
+                          "-c", "pass"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "no jax_sparse_mla in" in bad.stderr
