@@ -298,9 +298,10 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
     vf=${v//+/_and_}  # file names: the transfer back refuses a "+"
     applied=()
     if prebuilt; then
-      py=(python3 benchmarks/variant_python.py "/tmp/variants/$vf/site")
-      [[ $(cat "/tmp/variants/$vf/rc" 2>/dev/null) == 0 ]]; built=$?
+      # (no rc file: a patch did not apply; rc: pip's exit status)
       [[ -f /tmp/variants/$vf/rc ]] || { note "$v: does not apply"; continue; }
+      [[ $(<"/tmp/variants/$vf/rc") == 0 ]]; built=$?
+      py=(python3 benchmarks/variant_python.py "/tmp/variants/$vf/site")
     else
       py=(python3)
       for patch in $(patches_of "$v"); do

@@ -81,6 +81,12 @@ class Shape:
     label: str = ""  # the name a custom shape was asked for by (it names its page and token counts)
 
     @property
+    def valid_entries(self) -> int:
+        """Valid (not -1) list entries of one query row, main and extra lists together."""
+        lists = 2 if self.extra_topk else 1
+        return self.topk + self.extra_topk - lists * self.invalid_tail
+
+    @property
     def name(self) -> str:
         if self.label:
             return self.label
@@ -291,8 +297,7 @@ def _time(fn, args, iters: int, calls: int) -> float:
 
 def cost(shape: Shape, distinct_tokens: float):
     fmt = KVFormat.coerce(shape.fmt)
-    lists = 2 if shape.extra_topk else 1
-    n = shape.b * shape.s_q * (shape.topk + shape.extra_topk - lists * shape.invalid_tail)  # valid entries
+    n = shape.b * shape.s_q * shape.valid_entries
     flop = 2.0 * shape.h_q * n * (fmt.d_qk + 512)
     token_bytes = 656 if fmt is KVFormat.V32 else 576
     nbytes = (shape.b * shape.s_q * shape.h_q * (fmt.d_qk + 512) * 2) + distinct_tokens * token_bytes
