@@ -124,7 +124,7 @@ def test_heads(fmt, h_q):
     _check(case)
 
 
-# V32 calls of 17-32 heads run decode_small_rs.cuh's 32-head kernel only when the plan gives
+# Calls of 17-32 heads run decode_small_rs.cuh's 32-head kernel only when the plan gives
 # its workers at least 4 blocks each on average (ffi/cuda/decode_launch.cu); smaller calls run
 # the 64-row kernel. These cases are large enough for the 32-head kernel, with each feature.
 FEW_HEADS_32 = {
@@ -139,12 +139,24 @@ FEW_HEADS_32 = {
 @pytest.mark.parametrize("num_parts", [None, 7])
 @pytest.mark.parametrize("variant", list(FEW_HEADS_32))
 @pytest.mark.parametrize("h_q", [24, 32], ids=head_id)
-def test_few_heads_32(h_q, variant, num_parts):
+@pytest.mark.parametrize("fmt", [V32, MODEL1])
+def test_few_heads_32(fmt, h_q, variant, num_parts):
     kw = FEW_HEADS_32[variant]
-    case = make_case(fresh_rng(), V32, s_q=2, h_q=h_q, **kw)
+    case = make_case(fresh_rng(), fmt, s_q=2, h_q=h_q, **kw)
     plan = _plan(_on(case, GPU), num_parts=num_parts)
     blocks = kw["b"] * (-(-kw["topk"] // 64) + -(-kw.get("extra_topk", 0) // 64))
     assert blocks // plan.num_parts >= 4, "the case must be large enough for the 32-head kernel"
+    _check(case, plan=plan)
+
+
+def test_few_heads_32_one_block_pieces():
+    """Workers of twelve one-block requests each: the 32-head kernel's warpgroup A runs blocks
+    ahead of B through its P^T buffers, and every block ends a piece whose output factors take
+    the next slot."""
+    case = make_case(fresh_rng(), V32, b=48, s_q=2, h_q=32, topk=64, page_size=64, num_blocks=16, with_sink=True,
+                     with_lengths=True)
+    plan = _plan(_on(case, GPU), num_parts=4)
+    assert np.diff(np.asarray(plan.num_splits)).max() == 1, "one piece a request"
     _check(case, plan=plan)
 
 

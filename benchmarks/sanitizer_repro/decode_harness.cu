@@ -62,6 +62,7 @@ int main() {
       // (the 32-head few-heads kernel needs >= 4 blocks a worker: decode_launch.cu)
       {"V32 h32 few-heads kernel (32), 7 parts", KVFormat::kV32, 8, 2, 32, 300, 70, 64, 5, 5, 20, 1},
       {"V32 h24 few-heads kernel (32), garbage plan, extra cache", KVFormat::kV32, 12, 2, 24, 600, 40, 64, 5, 12, 9, 3},
+      {"V32 h32 few-heads kernel (32), one-block requests, 7 parts", KVFormat::kV32, 48, 2, 32, 64, 0, 64, 64, 8, 0, 1},
       {"V32 h32 64-row kernel (a block a worker or less)", KVFormat::kV32, 3, 2, 32, 150, 70, 64, 5, 5, 20, 1},
       {"V32 h64 solo, 7 parts, extra cache", KVFormat::kV32, 3, 2, 64, 150, 70, 64, 5, 5, 20, 1},
       {"V32 h128 pairs, default plan, extra cache", KVFormat::kV32, 4, 2, 128, 300, 90, 64, 17, 8, 9, 0},
@@ -70,6 +71,8 @@ int main() {
       {"MODEL1 h16 few-heads kernel, pages of 61, extra of 17", KVFormat::kModel1, 3, 2, 16, 100, 90, 61, 17, 6, 12, 0},
       {"MODEL1 h16 few-heads kernel, garbage plan", KVFormat::kModel1, 5, 2, 16, 130, 40, 61, 5, 5, 9, 3},
       {"MODEL1 h16 few-heads kernel, aligned pages, 7 parts", KVFormat::kModel1, 4, 2, 16, 300, 70, 64, 64, 8, 4, 1},
+      {"MODEL1 h32 few-heads kernel (32), 7 parts", KVFormat::kModel1, 8, 2, 32, 300, 70, 64, 5, 5, 20, 1},
+      {"MODEL1 h24 few-heads kernel (32), pages of 61, garbage plan", KVFormat::kModel1, 12, 2, 24, 600, 40, 61, 5, 12, 9, 3},
       {"MODEL1 h64 solo, 7 parts", KVFormat::kModel1, 3, 3, 64, 128, 0, 64, 64, 8, 0, 1},
       {"MODEL1 h128 pairs, default plan, extra cache", KVFormat::kModel1, 4, 2, 128, 300, 70, 64, 64, 8, 4, 0},
       {"MODEL1 h128 pairs, pages of 61, garbage plan", KVFormat::kModel1, 5, 2, 128, 130, 40, 61, 5, 5, 9, 3},

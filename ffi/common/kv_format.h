@@ -113,11 +113,14 @@ JSM_HD float fp8_e4m3_to_float(uint8_t b) {
   return bits_to_float(sign | ((exp + 120u) << 23) | (man << 20));
 }
 
-// UE8M0 scale byte: 2^(e-127); 255 is NaN. Built from exponent bits (exact).
+// UE8M0 scale byte: 2^(e-127); 255 is NaN. Built from exponent bits (exact): e << 23, plus
+// bit 22 for e = 0 (2^-127, a float32 subnormal) and e = 255 (inf -> NaN). Without branches:
+// the GPU kernels decode 14-16 of these a block, and as early returns they compiled to a
+// divergent branch each (a fifth of MODEL1's 16-head consumer samples, session 25).
 JSM_HD float ue8m0_to_float(uint8_t e) {
-  if (e == 0xffu) return bits_to_float(0x7fc00000u);
-  if (e == 0) return bits_to_float(0x00400000u);  // 2^-127, a float32 subnormal
-  return bits_to_float(static_cast<uint32_t>(e) << 23);
+  const uint32_t bits = static_cast<uint32_t>(e) << 23;
+  const bool special = static_cast<uint8_t>(e + 1) <= 1;  // e is 255 or 0
+  return bits_to_float(bits | (special ? 0x00400000u : 0u));
 }
 
 JSM_HD float load_f32_le(const uint8_t* p) {

@@ -46,10 +46,8 @@ template <KVFormat F>
 ffi::Error set_up_device(DeviceSetup& d) {
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kRsNarrowHeads, false>, SmemRs<F, kRsNarrowHeads>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kRsNarrowHeads, true>, SmemRs<F, kRsNarrowHeads>::kBytes));
-  if constexpr (F == KVFormat::kV32) {
-    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kRsMaxHeads, false>, SmemRs<F, kRsMaxHeads>::kBytes));
-    JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kRsMaxHeads, true>, SmemRs<F, kRsMaxHeads>::kBytes));
-  }
+  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kRsMaxHeads, false>, SmemRs<F, kRsMaxHeads>::kBytes));
+  JSM_RETURN_IF_ERROR(allow_smem(decode_kernel_rs<F, kRsMaxHeads, true>, SmemRs<F, kRsMaxHeads>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 1, false>, Smem<F>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 1, true>, Smem<F>::kBytes));
   JSM_RETURN_IF_ERROR(allow_smem(decode_kernel<F, 2, false>, Smem<F>::kBytes));
@@ -77,13 +75,13 @@ int64_t blocks_per_worker(const DecodeProblem& dp) {
 }
 
 // Few heads (tensor-parallel shards of 8 and 4): the transposed kernel of decode_small_rs.cuh,
-// one CTA per (worker, query row), for 16 heads or fewer (V32: up to kRsMaxHeads with enough
-// blocks a worker). Not for a batch-invariant plan: its results must equal those heads of a
+// one CTA per (worker, query row), for 16 heads or fewer, and up to kRsMaxHeads with enough
+// blocks a worker. Not for a batch-invariant plan: its results must equal those heads of a
 // wider call bit for bit, and this kernel rounds differently.
 bool use_small_kernel(const DecodeProblem& dp) {
   if (dp.batch_invariant) return false;
   if (dp.h_q <= kRsNarrowHeads) return true;
-  return dp.format == KVFormat::kV32 && dp.h_q <= kRsMaxHeads && blocks_per_worker(dp) >= kRs32MinBlocksPerWorker;
+  return dp.h_q <= kRsMaxHeads && blocks_per_worker(dp) >= kRs32MinBlocksPerWorker;
 }
 
 template <KVFormat F, int H, bool kAligned>
@@ -95,12 +93,8 @@ ffi::Error launch_rs(const DecodeProblem& dp, const Params& p, cudaStream_t stre
 template <KVFormat F, bool kAligned>
 ffi::Error launch_variant(const DecodeProblem& dp, const Params& p, bool pairs, cudaStream_t stream) {
   if (use_small_kernel(dp)) {
-    if constexpr (F == KVFormat::kV32) {
-      return dp.h_q <= kRsNarrowHeads ? launch_rs<F, kRsNarrowHeads, kAligned>(dp, p, stream)
-                                      : launch_rs<F, kRsMaxHeads, kAligned>(dp, p, stream);
-    } else {
-      return launch_rs<F, kRsNarrowHeads, kAligned>(dp, p, stream);
-    }
+    return dp.h_q <= kRsNarrowHeads ? launch_rs<F, kRsNarrowHeads, kAligned>(dp, p, stream)
+                                    : launch_rs<F, kRsMaxHeads, kAligned>(dp, p, stream);
   }
   const int groups = (dp.h_q + kRows - 1) / kRows;
   if (!pairs) {

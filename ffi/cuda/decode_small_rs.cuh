@@ -1,4 +1,4 @@
-// The few-heads decode kernel (V32: H = 16 or 32 heads, the N of every product; MODEL1: 16)
+// The few-heads decode kernel (H = 16 or 32 heads, the N of every product)
 // with the dequantization in the consumers. The launch (decode_launch.cu) says which calls
 // run it. Rather than producers writing every token as bf16 into a shared K tile that wgmma
 // reads twice (S^T and O^T: the retired decode_small.cuh, sessions 6-22), the cache bytes stay
@@ -106,20 +106,28 @@ constexpr int kRsNarrowHeads = 16;  // N of the narrow instance: every call of u
 constexpr int kRsMaxHeads = 32;
 // Registers after reallocation (the launch gives 168 a thread, 504 for the three). At 32
 // heads O^T alone is 128 floats a thread of B; MODEL1's A holds 7 scale tiles' accumulators
-// and its B the RoPE m-tile.
+// (128 floats at 32 heads: 208 keeps its block loop spill-free) and its B the RoPE m-tile
+// (at 32 heads 256, the most setmaxnreg gives, with a few spills; the producer fits in 40).
 template <KVFormat F, int H>
 struct RsRegs {
   static constexpr bool kV32 = F == KVFormat::kV32;
-  static constexpr int kQK = H == 16 ? (kV32 ? 184 : 200) : 192;
-  static constexpr int kPV = H == 16 ? (kV32 ? 216 : 232) : 248;
-  static constexpr int kProducer = H == 16 ? (kV32 ? 104 : 72) : 64;
+  static constexpr int kQK = H == 16 ? (kV32 ? 184 : 200) : (kV32 ? 192 : 208);
+  static constexpr int kPV = H == 16 ? (kV32 ? 216 : 232) : (kV32 ? 248 : 256);
+  static constexpr int kProducer = H == 16 ? (kV32 ? 104 : 72) : (kV32 ? 64 : 40);
   static_assert(kQK + kPV + kProducer <= 3 * 168, "setmaxnreg counts over the launch's");
 };
 // Named barriers (0 is __syncthreads).
 constexpr int kRsBarQ = 1;       // A: its Q copies have landed
 constexpr int kRsBarRed = 2;     // A: the per-warp column reductions are in smem
-constexpr int kRsBarPReady = 3;  // + n % 2: A -> B, P^T, alpha (and the piece's factors)
-constexpr int kRsBarPFree = 5;   // + n % 2: B -> A, done with P^T n % 2
+constexpr int kRsMaxPBufs = 3;
+constexpr int kRsBarPReady = 3;  // + buffer: A -> B, P^T, alpha (and the piece's factors)
+constexpr int kRsBarPFree = kRsBarPReady + kRsMaxPBufs;  // + buffer: B -> A, done with that P^T
+
+// The P^T buffer (and alpha, final-factor slot) of block or piece n >= 0.
+template <int kBufs>
+__device__ __forceinline__ int p_buffer(int n) {
+  return static_cast<int>(static_cast<unsigned>(n) % kBufs);
+}
 
 // A token's raw row in smem, in 16-byte chunks: the cache row as it is (V32), or region A
 // followed by the scale bytes (MODEL1).
@@ -135,16 +143,24 @@ struct RawRow {
 
 template <KVFormat F, int H>
 struct SmemRs {
+  // P^T buffers: A runs up to kPBufs - 1 blocks ahead of B. At 32 heads B is the slower
+  // consumer and each waits on the other at two (sessions 24, 26): a third buffer absorbs
+  // their jitter.
+  static constexpr int kPBufs = H == 32 ? 3 : 2;
+  static_assert(kPBufs <= kRsMaxPBufs, "named barriers for each buffer");
   static constexpr int kQ = 0;  // Q in the permuted k order, K-major B operand
   static constexpr int kPBytes = kTokens * H * 2;
-  static constexpr int kP = kQ + Fmt<F>::kDqk * H * 2;  // P^T, two buffers
-  // MODEL1: P^T in bf16 as well (two buffers), B operand of the RoPE value dims' product.
-  static constexpr int kPBf16 = kP + 2 * kPBytes;
-  static constexpr int kRed = kPBf16 + (F == KVFormat::kV32 ? 0 : 2 * kPBytes);  // 4 warps x H floats
-  static constexpr int kAlpha = kRed + 4 * H * 4;       // 2 x H floats
-  static constexpr int kFinal = kAlpha + 2 * H * 4;     // 2 x H floats, by piece parity
-  static constexpr int kQb = kFinal + 2 * H * 4;        // H floats: 2^-k of each head's Q
-  static constexpr int kRaw = (kQb + H * 4 + 127) / 128 * 128;
+  static constexpr int kP = kQ + Fmt<F>::kDqk * H * 2;  // P^T, kPBufs buffers
+  // MODEL1: P^T in bf16 as well (kPBufs buffers), B operand of the RoPE value dims' product.
+  static constexpr int kPBf16 = kP + kPBufs * kPBytes;
+  static constexpr int kRed = kPBf16 + (F == KVFormat::kV32 ? 0 : kPBufs * kPBytes);  // 4 warps x H floats
+  static constexpr int kAlpha = kRed + 4 * H * 4;           // kPBufs x H floats, by P^T buffer
+  static constexpr int kFinal = kAlpha + kPBufs * H * 4;    // kPBufs x H floats, by piece
+  static constexpr int kQb = kFinal + kPBufs * H * 4;       // H floats: 2^-k of each head's Q
+  // MODEL1: UE8M0 byte -> scale, 256 floats (filled at the kernel's start): a byte decodes
+  // with a load instead of ~7 integer instructions.
+  static constexpr int kScaleTable = kQb + H * 4;
+  static constexpr int kRaw = (kScaleTable + (F == KVFormat::kV32 ? 0 : 256 * 4) + 127) / 128 * 128;
   static constexpr int kRawTile = kTokens * kRsPitch;
   static constexpr int kValid = kRaw + kRsStages * kRawTile;  // a stage: 4 words (16 rows each)
   static constexpr int kFull = kValid + kRsStages * 16;
@@ -167,6 +183,12 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 __device__ __forceinline__ float lds_f32(uint32_t addr) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t lds_u8(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr));
   return v;
 }
 
@@ -197,6 +219,14 @@ __device__ __forceinline__ float pow2_ceil(float x) {
   const uint32_t b = __float_as_uint(x);
   const uint32_t e = b & 0x7f800000u;
   return __uint_as_float(e == 0 ? 0x00800000u : ((b & 0x007fffffu) ? min(e + 0x00800000u, 0x7f000000u) : e));
+}
+
+// 1 / c for c = pow2_ceil(x) (a normal power of two up to 2^127), exactly, from c's exponent
+// field: a division's slow-path branch and call out of B's block loop. (cn * 1 / c_new is then
+// cn / c_new, rounded the same: both round the same real number.)
+__device__ __forceinline__ float pow2_reciprocal(float c) {
+  const uint32_t e = __float_as_uint(c) >> 23;  // 1 .. 254
+  return __uint_as_float(e == 254u ? 0x00400000u : (254u - e) << 23);  // 2^-127 is a subnormal
 }
 
 // cp.async of 8 bytes (src_bytes = 0: zeros).
@@ -385,37 +415,35 @@ __device__ __forceinline__ void q_store(const QRegs<F>& qr, uint8_t* q_s, float*
 __device__ __forceinline__ float bf16_round(float x) { return __uint_as_float(pack_bf16x2(x, 0.f) << 16); }
 
 // Scale k of a token as the rule uses it: bf16(float32) (V32, one a word) or a UE8M0 byte
-// (MODEL1, four a word: a power of two). scale_word: the word of the scale chunk holding it;
-// scale_in: the scale from that word.
-template <KVFormat F>
-__device__ __forceinline__ int scale_word(int k) {
-  return F == KVFormat::kV32 ? k : k >> 2;
-}
-template <KVFormat F>
-__device__ __forceinline__ float scale_in(uint32_t w, int k) {
+// (MODEL1, four a word: a power of two, looked up in the kScaleTable at smem address `table`,
+// or decoded in registers where kTable is false), from the token's scale chunk in registers
+// (`f`) or in smem (at address `at`).
+template <KVFormat F, bool kTable>
+__device__ __forceinline__ float tile_scale(const uint4& f, int k, uint32_t table) {
+  const uint32_t w = word(f, F == KVFormat::kV32 ? k : k >> 2);
   if constexpr (F == KVFormat::kV32) {
     return bf16_round(__uint_as_float(w));
+  } else if constexpr (kTable) {
+    return lds_f32(table + 4 * ((w >> (8 * (k & 3))) & 0xffu));
   } else {
     return ue8m0_to_float(static_cast<uint8_t>(w >> (8 * (k & 3))));
   }
 }
-
-// Scale k from a token's scale chunk in registers (`f`) or in smem (at address `at`).
 template <KVFormat F>
-__device__ __forceinline__ float tile_scale(const uint4& f, int k) {
-  return scale_in<F>(word(f, scale_word<F>(k)), k);
-}
-template <KVFormat F>
-__device__ __forceinline__ float token_scale(uint32_t at, int k) {
-  return scale_in<F>(__float_as_uint(lds_f32(at + 4 * scale_word<F>(k))), k);
+__device__ __forceinline__ float token_scale(uint32_t at, int k, uint32_t table) {
+  if constexpr (F == KVFormat::kV32) {
+    return bf16_round(lds_f32(at + 4 * k));
+  } else {
+    return lds_f32(table + 4 * lds_u8(at + k));
+  }
 }
 
 // Warpgroup A: S^T = K Q^T for every block, the softmax, and P^T (f16) and the column factors
-// alpha into buffer n % 2 for warpgroup B; at a piece's end the output factors and lse. One
-// block ahead of B at most (two buffers).
+// alpha into buffer n % kPBufs for warpgroup B; at a piece's end the output factors and lse.
+// kPBufs - 1 blocks ahead of B at most.
 template <KVFormat F, int H>
 __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
-  static_assert(H == 16 || (H == 32 && F == KVFormat::kV32), "m64n16 products (V32: or m64n32)");
+  static_assert(H == 16 || H == 32, "m64n16 or m64n32 products");
   using L = SmemRs<F, H>;
   using R = RawRow<F>;
   constexpr int kAcc = H / 2;
@@ -480,13 +508,15 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
 
     const uint32_t row_a = raw + r0 * kRsPitch, row_b = row_a + 8 * kRsPitch;
     float sc_a[kTiles], sc_b[kTiles];
+    // (At 32 heads the table's loads cost A's block loop spills of m and l: 7 a block.)
+    constexpr bool kTableA = H == 16;
     {
       const uint4 fa = lds128(row_a + R::kScaleChunk * 16);
       const uint4 fb = lds128(row_b + R::kScaleChunk * 16);
 #pragma unroll
       for (int k = 0; k < kTiles; ++k) {
-        sc_a[k] = tile_scale<F>(fa, k);
-        sc_b[k] = tile_scale<F>(fb, k);
+        sc_a[k] = tile_scale<F, kTableA>(fa, k, sb + L::kScaleTable);
+        sc_b[k] = tile_scale<F, kTableA>(fb, k, sb + L::kScaleTable);
       }
     }
     float acc[kTiles][kAcc], racc[kAcc];
@@ -575,8 +605,8 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
     float alpha[kCols];
     block_softmax<H>(sacc, v0, v1, m, l, alpha, scale, red, warp, lane, kRsBarRed);
 
-    const int pb = n & 1;
-    if (n >= 2) named_bar_sync(kRsBarPFree + pb, 2 * kWarpgroup);  // B is done with block n - 2's
+    const int pb = p_buffer<L::kPBufs>(n);
+    if (n >= L::kPBufs) named_bar_sync(kRsBarPFree + pb, 2 * kWarpgroup);  // B is done with block n - kPBufs's
     // P^T (f16) in O^T's token order: token 16 ks + 4 b + 8 h + cc is k = 16 ks + 8 h + 2 cc + b.
     uint8_t* p_s = smem + L::kP + pb * L::kPBytes;
 #pragma unroll
@@ -599,7 +629,7 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
     if (last) {  // the piece's factors (1 / sum, the sink) for B, and its lse
       const PieceOut po = piece_out(p, w, cur.r);
       reduce_columns<H, false>(l, red, warp, lane, kRsBarRed);
-      float* final_s = reinterpret_cast<float*>(smem + L::kFinal) + (pieces & 1) * H;
+      float* final_s = reinterpret_cast<float*>(smem + L::kFinal) + p_buffer<L::kPBufs>(pieces) * H;
 #pragma unroll
       for (int j = 0; j < kCols; ++j) {
         const int h = 8 * (j / 2) + 2 * c + (j & 1);
@@ -615,9 +645,11 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
     if (nx.r > w.end_req) break;
     cur = nx;
   }
-  // Pair B's last two arrivals on P-free, so that no named barrier is left half arrived.
-  if (n >= 1) named_bar_sync(kRsBarPFree + ((n - 1) & 1), 2 * kWarpgroup);
-  named_bar_sync(kRsBarPFree + (n & 1), 2 * kWarpgroup);
+  // Pair B's last arrivals on P-free (blocks n - kPBufs + 1 .. n), so that no named barrier is
+  // left half arrived.
+#pragma unroll
+  for (int k = L::kPBufs - 1; k >= 0; --k)
+    if (n >= k) named_bar_sync(kRsBarPFree + p_buffer<L::kPBufs>(n - k), 2 * kWarpgroup);
 }
 
 // A fragments of O^T's m-tile mt from the 4 raw chunks `rv` (tokens bh = 0 .. 3 of a k-step):
@@ -658,7 +690,6 @@ __device__ __forceinline__ void bk_set(uint32_t* bk, int mt, uint32_t a0, uint32
 // 16 q .. 16 q + 15 of the thread's tokens times scale / c), the output at a piece's end.
 template <KVFormat F, int H>
 __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, int s, uint32_t sb, uint8_t* smem) {
-  static_assert(H == 16 || F == KVFormat::kV32, "MODEL1 at 16 heads");
   using L = SmemRs<F, H>;
   using R = RawRow<F>;
   constexpr int kAcc = H / 2;
@@ -689,7 +720,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
   // values) and the piece's output slot is read then: 2% off its 16-head time (no zeroing
   // moves). V32 zeroes O^T after each piece's output and reads the slot there: overwriting
   // cost its 16 heads 3% (benchmarks/NOTES.md, sessions 24-25).
-  constexpr bool kFirstBlockOverwrites = kRopeTile;
+  constexpr bool kFirstBlockOverwrites = kRopeTile || H == 32;
   float o[8 * kAcc];  // O^T / cn: m-tile mt (dims 16 q + 2 mt, + 1) at o[mt * kAcc ..]
   float orope[kRopeTile ? kAcc : 1];  // (kRopeTile) the RoPE dims' O^T, not in units of cn
   if constexpr (!kFirstBlockOverwrites) {
@@ -704,7 +735,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     const bool last = nx.r != cur.r;
     const int stage = n % kRsStages;
     const uint32_t raw = sb + L::kRaw + stage * L::kRawTile;
-    const int pb = n & 1;
+    const int pb = p_buffer<L::kPBufs>(n);
     if (kFirstBlockOverwrites && first) po = piece_out(p, w, cur.r);
 
     mbar_wait(sb + L::kFull + 8 * stage, (n / kRsStages) & 1);
@@ -725,7 +756,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
       for (int bh = 0; bh < 4; ++bh) {
-        sv[4 * ks + bh] = token_scale<F>(raw + token(ks, bh) * kRsPitch + R::kScaleChunk * 16, tile);
+        sv[4 * ks + bh] = token_scale<F>(raw + token(ks, bh) * kRsPitch + R::kScaleChunk * 16, tile, sb + L::kScaleTable);
         smax = fmaxf(smax, fabsf(sv[4 * ks + bh]));
       }
     smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, 1));
@@ -736,15 +767,20 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     smax = fminf(smax, 3.0e38f);
     piece_max = fmaxf(piece_max, smax);
     const float c_new = pow2_ceil(fmaxf(smax, piece_max * 0x1p-40f));
-    const float ratio = cn / c_new;  // old / new normalizer: a power of two
+    const float inv_c = pow2_reciprocal(c_new);
+    const float ratio = cn * inv_c;  // old / new normalizer: a power of two (rounded as cn / c_new)
     cn = c_new;
-    const float inv_c = 1.f / cn;  // a power of two: exact
     // f16(scale / c) is exact down to f16's smallest normal; a warp with a smaller ratio (a
     // block whose scales span more than 2^14: never with a quantizer's) multiplies in fp32,
-    // so that each A value is rounded once, as on the fast path.
+    // so that each A value is rounded once, as on the fast path. Below 2^-34 a ratio times any
+    // code (|code| <= 448) is under 2^-25 and both paths round the product to zero: such tokens
+    // (scale 0; MODEL1's invalid rows, whose zero scale bytes read 2^-127) keep the fast path.
     bool tiny = false;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) tiny |= sv[i] != 0.f && fabsf(sv[i] * inv_c) < 0x1p-14f;
+    for (int i = 0; i < 16; ++i) {
+      const float ratio_i = fabsf(sv[i] * inv_c);
+      tiny |= ratio_i < 0x1p-14f && ratio_i >= 0x1p-34f;
+    }
     const bool exact_a = __any_sync(0xffffffffu, tiny);
     // The fast path's f16 factors scale / c, two tokens a register (sv is dead after this: the
     // exact path reloads the scales).
@@ -752,7 +788,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
 #pragma unroll
     for (int i = 0; i < 8; ++i) scp[i] = pack_f16x2(sv[2 * i] * inv_c, sv[2 * i + 1] * inv_c);
     const auto scale_over_c = [&](int ks, int bh) {
-      return token_scale<F>(raw + token(ks, bh) * kRsPitch + R::kScaleChunk * 16, tile) * inv_c;
+      return token_scale<F>(raw + token(ks, bh) * kRsPitch + R::kScaleChunk * 16, tile, sb + L::kScaleTable) * inv_c;
     };
     // (kRopeTile) the RoPE m-tile's A fragments, bf16 as stored: k-step ks's tokens bh = 0 .. 3
     // are the same as the codes' (k = 2 c, 2 c + 1, 2 c + 8, 2 c + 9); one 4-byte load gives a
@@ -782,7 +818,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
       for (int i = 0; i < kAcc; ++i) orope[i] *= alpha_s[8 * (i >> 2) + 2 * c + (i & 1)];
     }
     if (last) {
-      const float* final_s = reinterpret_cast<const float*>(smem + L::kFinal) + (pieces & 1) * H;
+      const float* final_s = reinterpret_cast<const float*>(smem + L::kFinal) + p_buffer<L::kPBufs>(pieces) * H;
 #pragma unroll
       for (int j = 0; j < kCols; ++j) f[j] = final_s[8 * (j / 2) + 2 * c + (j & 1)];
     }
@@ -929,6 +965,10 @@ __global__ void __launch_bounds__(kRsThreads, 1) decode_kernel_rs(const Params p
       mbar_init(sb + L::kFull + 8 * i, kRsFullArrivals<F, kAligned>);
       mbar_init(sb + L::kEmpty + 8 * i, 2 * kWarpgroup / 32);  // A's and B's warps
     }
+  }
+  if constexpr (F == KVFormat::kModel1) {
+    static_assert(kRsThreads >= 256, "a thread an entry of the scale table");
+    if (threadIdx.x < 256) reinterpret_cast<float*>(smem + L::kScaleTable)[threadIdx.x] = ue8m0_to_float(threadIdx.x);
   }
   __syncthreads();
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
