@@ -334,14 +334,21 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
           tag=$v; envs=(); [[ $e == - ]] || { tag="$v[$e]"; envs=(${e//,/ }); }
           for sh in ${KSHAPES:-v32_h16_s2_b128_k2048}; do
             # ktime.sh's own timing of our kernels (side_by_side.time_ours), without FlashMLA.
+            # A second try where the first came back without times (seen once, session 27:
+            # the first shape of a call), its log's end shown.
             log="$logs/ncu_${sh}_${e//[^A-Za-z0-9]/_}.log"
-            timeout ${KTIME_T:-150} env "${envs[@]}" ncu --clock-control none --cache-control none \
-              --metrics gpu__time_duration.sum -k regex:"decode_kernel|combine_kernel" \
-              "${py[@]}" -c "import sys; sys.path.insert(0, '.anchor')
+            for attempt in 1 2; do
+              timeout ${KTIME_T:-150} env "${envs[@]}" ncu --clock-control none --cache-control none \
+                --metrics gpu__time_duration.sum -k regex:"decode_kernel|combine_kernel" \
+                "${py[@]}" -c "import sys; sys.path.insert(0, '.anchor')
 import side_by_side as s; from jax_sparse_mla import bench; shape = bench.shape_from_name('$sh')
 s.time_ours(shape, bench.make_inputs(shape, max(bench._sets_for(shape), bench.CALLS_PER_TIMING)), 3)" \
-              >"$log" 2>&1 || tail -5 "$log"
-            note "$tag: $(python3 benchmarks/kernel_times.py "$log" "$sh")"
+                >"$log" 2>&1 || tail -5 "$log"
+              times=$(python3 benchmarks/kernel_times.py "$log" "$sh")
+              [[ $times == *incomplete* ]] || break
+              echo "--- $sh, attempt $attempt:"; tail -15 "$log"
+            done
+            note "$tag: $times"
           done
         done
       elif smoke_passed "$line" && [[ -f .anchor/ktime.sh ]]; then
