@@ -2,6 +2,9 @@
 implementation, byte layouts, dequantization, write_kv, and argument errors."""
 
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -333,6 +336,31 @@ def test_dequantize_special_bytes():
     d = np.asarray(_dequantize(jnp.asarray(c), V32), np.float32)[0, 0]
     assert np.all(d[:128] == 1) and np.all(np.isnan(d[128:256]))
     assert np.all(d[256:384] == 0.5) and np.all(d[384:512] == 3.0)
+
+
+CXX = shutil.which("c++")
+
+
+@pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
+def test_native_ue8m0_decode_of_every_byte(tmp_path):
+    """The C++ decode of a UE8M0 byte (ffi/common/kv_format.h: the CPU handlers, and the GPU
+    kernels' table of all 256 values) is branch-free bit arithmetic; each byte against the format:
+    2^(e - 127), with byte 0 the float32 subnormal 2^-127 and byte 255 NaN."""
+    root = Path(__file__).resolve().parent.parent
+    program = tmp_path / "ue8m0.cc"
+    program.write_text(
+        '#include <cstdio>\n#include "common/kv_format.h"\n'
+        "int main() { for (int e = 0; e < 256; ++e) { float f = jsm::ue8m0_to_float(static_cast<uint8_t>(e));"
+        ' unsigned u; std::memcpy(&u, &f, 4); std::printf("%08x\\n", u); } }\n')
+    done = subprocess.run([CXX, "-std=c++17", f"-I{root / 'ffi'}", str(program), "-o", str(tmp_path / "ue8m0")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = subprocess.run([str(tmp_path / "ue8m0")], capture_output=True, text=True, check=True).stdout.split()
+    got = np.array([int(w, 16) for w in out], np.uint32).view(np.float32)
+    assert got.shape == (256,)
+    assert np.isnan(got[255])
+    want = np.ldexp(np.float64(1.0), np.arange(255) - 127)  # exact in float32, 2^-127 as a subnormal
+    assert np.array_equal(got[:255].astype(np.float64), want)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
