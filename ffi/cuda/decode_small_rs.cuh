@@ -7,8 +7,8 @@
 //     cp.async of the 8 scale bytes) into one of four stages (cp.async pieces for caches not
 //     16-byte aligned), zeros for an invalid entry; the stage's `full` barrier tracks them.
 //   warpgroup A: S^T = K Q^T from registers (the codes as f16, one conversion per two), the
-//     softmax, P^T for B; warpgroup B: O^T = V^T P^T (codes times scale / c in f16), a block
-//     behind A (two P^T buffers).
+//     softmax, P^T for B; warpgroup B: O^T = V^T P^T (codes times scale / c in f16), up to
+//     kPBufs - 1 blocks behind A (SmemRs::kPBufs P^T buffers: 2 at 16 heads, 3 at 32).
 // The f16 arithmetic and its exactness are described at "the f16 products" below. MODEL1's
 // 64 RoPE value dims (bf16) get their own bf16 m-tile in B (see consume_pv_f16).
 //
