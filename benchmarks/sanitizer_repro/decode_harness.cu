@@ -72,6 +72,7 @@ int main() {
       {"MODEL1 h16 few-heads kernel, garbage plan", KVFormat::kModel1, 5, 2, 16, 130, 40, 61, 5, 5, 9, 3},
       {"MODEL1 h16 few-heads kernel, aligned pages, 7 parts", KVFormat::kModel1, 4, 2, 16, 300, 70, 64, 64, 8, 4, 1},
       {"MODEL1 h32 few-heads kernel (32), 7 parts", KVFormat::kModel1, 8, 2, 32, 300, 70, 64, 5, 5, 20, 1},
+      {"MODEL1 h32 few-heads kernel (32), aligned pages, 7 parts", KVFormat::kModel1, 8, 2, 32, 300, 70, 64, 64, 8, 4, 1},
       {"MODEL1 h24 few-heads kernel (32), pages of 61, garbage plan", KVFormat::kModel1, 12, 2, 24, 600, 40, 61, 5, 12, 9, 3},
       {"MODEL1 h64 solo, 7 parts", KVFormat::kModel1, 3, 3, 64, 128, 0, 64, 64, 8, 0, 1},
       {"MODEL1 h128 pairs, default plan, extra cache", KVFormat::kModel1, 4, 2, 128, 300, 70, 64, 64, 8, 4, 0},
