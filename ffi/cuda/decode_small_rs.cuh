@@ -716,10 +716,11 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
   int pieces = 0;
   float cn = kCMin;   // this thread's normalizer (the same across its quad)
   float piece_max = 0.f;  // the piece's largest scale so far in this thread's scale tile
-  // MODEL1: a piece's first block overwrites O^T (its first k-step's products ignore the old
-  // values) and the piece's output slot is read then: 2% off its 16-head time (no zeroing
-  // moves). V32 zeroes O^T after each piece's output and reads the slot there: overwriting
-  // cost its 16 heads 3% (benchmarks/NOTES.md, sessions 24-25).
+  // MODEL1 and 32 heads: a piece's first block overwrites O^T (its first k-step's products
+  // ignore the old values) and the piece's output slot is read then: 2% off MODEL1's 16-head
+  // time, 1% off V32's 32 (no zeroing moves). V32 at 16 heads zeroes O^T after each piece's
+  // output and reads the slot there: overwriting cost it 3% (benchmarks/NOTES.md, sessions
+  // 24-25).
   constexpr bool kFirstBlockOverwrites = kRopeTile || H == 32;
   float o[8 * kAcc];  // O^T / cn: m-tile mt (dims 16 q + 2 mt, + 1) at o[mt * kAcc ..]
   float orope[kRopeTile ? kAcc : 1];  // (kRopeTile) the RoPE dims' O^T, not in units of cn
