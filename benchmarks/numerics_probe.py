@@ -179,7 +179,9 @@ def model_decode(case, *, plan=None, rounded_sums=False, lazy_rescale=LAZY_RESCA
                 lse_nat = (g * F32(np.log(2))).astype(F32)
                 o_n = np.where(empty[:, None], F32(0), o_n)
             if sink is not None:
-                sf = F32(1) / (F32(1) + np.exp(sink[r % sink.shape[0]] - lse_nat))
+                # (an overflow gives sf = 0, the limit; an empty row -inf - -inf, discarded below)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    sf = F32(1) / (F32(1) + np.exp(sink[r % sink.shape[0]] - lse_nat))
                 f = np.where(empty, f, (f * sf).astype(F32))
             out[r, s] = bf16(o_n * f[:, None])
     return out
