@@ -277,11 +277,17 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
   # "a+b": patches a and b together, applied in that order
   patches_of() { [[ $1 == base ]] || tr '+' '\n' <<<"$1" | sed 's#.*#benchmarks/patches/&.patch#'; }
   prebuilt() { [[ ${VARIANT_PREBUILD:-0} == 1 ]]; }
+  if prebuilt && [[ ${VARIANT_TIMER:-ktime} != ours ]]; then
+    # (ktime.sh times the library installed for the process: the tree's build)
+    note "VARIANT_PREBUILD times with VARIANT_TIMER=ours only; building the variants in the tree"
+    VARIANT_PREBUILD=0
+  fi
   if prebuilt; then
     stamp "variants: building ${VARIANTS:-base}"
+    rm -rf /tmp/variants  # (a warm machine keeps an earlier call's: only this call's count below)
     for v in ${VARIANTS:-base}; do
       vf=${v//+/_and_}; dir=/tmp/variants/$vf
-      rm -rf "$dir"; mkdir -p "$dir/src"
+      mkdir -p "$dir/src"
       tar c --exclude=./build --exclude=./.anchor --exclude=./.git --exclude=./.whl . | tar x -C "$dir/src"
       ( cd "$dir/src" && for patch in $(patches_of "$v"); do git apply "$patch" || exit 1; done &&
         python3 -m pip install --no-build-isolation --no-deps --target "$dir/site" . ; echo $? >"$dir/rc"
@@ -352,7 +358,6 @@ s.time_ours(shape, bench.make_inputs(shape, max(bench._sets_for(shape), bench.CA
           done
         done
       elif smoke_passed "$line" && [[ -f .anchor/ktime.sh ]]; then
-        if prebuilt; then note "$v: VARIANT_PREBUILD times with VARIANT_TIMER=ours only"; continue; fi
         OUT="$OUT/$vf" KSHAPES="${KSHAPES:-v32_h16_s2_b128_k2048}" bash .anchor/ktime.sh >/dev/null 2>&1
         while read -r k; do note "$v: $k"; done < <(grep KTIME "$OUT/$vf/ktime.txt" 2>/dev/null)
       fi
