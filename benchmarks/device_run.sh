@@ -224,7 +224,7 @@ if has harness; then  # the sanitizers on the decode kernel and the combine (san
     # Every racecheck report as its pair of sites (kernel + offset), counted: each pair should
     # be a known hand-off (NOTES.md names them by offset, from a local build's SASS).
     sed -E 's/^========= +//' "$OUT/harness_racecheck.log" | grep -A1 '^Error: Race reported' | \
-      grep -oE '(Read|Write) access at .*\+0x[0-9a-f]+' | sed -E 's/access at void jsm::cuda::([a-z_]+)<\(jsm::KVFormat\)([0-9]), \(int\)([0-9]), \(bool\)([0-9])>\(jsm::cuda::Params\)/\1<\2,\3,\4>/' | \
+      grep -oE '(Read|Write) access at .*\+0x[0-9a-f]+' | sed -E 's/access at void jsm::cuda::([a-z_]+)<\(jsm::KVFormat\)([0-9]), \(int\)([0-9]+), \(bool\)([0-9])>\(jsm::cuda::Params\)/\1<\2,\3,\4>/' | \
       paste - - | sort | uniq -c | sed 's/^/RACE PAIR /'
   else
     tail -20 "$OUT/harness_build.log"; note "harness: build FAILED"

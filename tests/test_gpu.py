@@ -463,13 +463,44 @@ def v32_scales_bound(case, ref_out, *, logit_errors=True):
         return bound + np.where(dispersion > 0, 2.0 * np.expm1(2.0 * eps) * dispersion, 0.0)
 
 
-@pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
+@pytest.mark.parametrize("h_q", [16, 32, 64], ids=head_id)
 def test_non_power_of_two_v32_scales(h_q):
     """V32 readers accept any float32 scale (rounded to bf16 first), huge and tiny ones too (the
     2^20 factor keeps bf16(scale) >= 2^8 after softening: the kernel's two-multiply path); 16
-    heads run the few-heads kernel."""
+    and 32 heads (one worker: 4 blocks) run the few-heads kernels, whose blocks of scales
+    spanning more than 2^14 take their exact path."""
     case = _on(v32_scales_case(fresh_rng(), h_q), GPU)
-    out, lse = _decode(**case)
+    out, lse = _decode(**case, plan=_plan(case, num_parts=1) if h_q == 32 else None)
+    ref_out, ref_lse = _reference(**case)
+    assert_lse_close(np.asarray(lse), np.asarray(ref_lse))
+    a, r = _np(out).astype(np.float64), _np(ref_out).astype(np.float64)
+    bound = v32_scales_bound(case, r)
+    assert np.all(np.abs(a - r) <= bound), float(np.max(np.abs(a - r) - bound))
+
+
+def model1_scales_case(rng, h_q):
+    """MODEL1 tiles whose UE8M0 exponents move by -9 .. +20 (as test_non_power_of_two_v32_scales'
+    factors): a few-heads block's scales span more than 2^14, its exact path."""
+    case = make_case(rng, MODEL1, b=2, s_q=2, h_q=h_q, topk=128, page_size=64, num_blocks=4, invalid_fraction=0.0)
+    kv = np.asarray(case["kv_cache"]).copy()
+    pages, page = kv.shape[:2]
+    flat = kv.reshape(pages, -1)  # page-planar: the pages' token data, then 8 scale bytes a token
+    scales = flat[:, page * 576:].reshape(pages, page, 8)
+    e = scales[..., :7].astype(np.int32)
+    moved = np.clip(e + rng.choice(np.array([0, -9, 10, 20]), size=e.shape), 1, 254)
+    scales[..., :7] = np.where(e == 255, e, moved).astype(np.uint8)  # NaN scales stay NaN
+    flat[:, page * 576:] = scales.reshape(pages, page * 8)
+    case["kv_cache"] = jnp.asarray(kv)
+    case["sm_scale"] = 1e-3  # keeps the logits of the large scales finite
+    return soften(case)
+
+
+@pytest.mark.parametrize("h_q", [16, 32, 64], ids=head_id)
+def test_wide_model1_scale_spreads(h_q):
+    """MODEL1 blocks whose scales span up to 2^29, within the bound of the V32 test's (the same
+    arithmetic); 16 and 32 heads (one worker: 4 blocks) run the few-heads kernels."""
+    case = _on(model1_scales_case(fresh_rng(), h_q), GPU)
+    out, lse = _decode(**case, plan=_plan(case, num_parts=1) if h_q == 32 else None)
     ref_out, ref_lse = _reference(**case)
     assert_lse_close(np.asarray(lse), np.asarray(ref_lse))
     a, r = _np(out).astype(np.float64), _np(ref_out).astype(np.float64)

@@ -90,5 +90,17 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
   asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// A barrier that also votes: true in each of the `threads` threads when any of them passes true.
+__device__ __forceinline__ bool named_bar_any(int id, int threads, bool vote) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred v, a;\n setp.ne.u32 v, %1, 0;\n barrier.red.or.pred a, %2, %3, v;\n"
+      " selp.u32 %0, 1, 0, a;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(vote)), "r"(id), "r"(threads)
+      : "memory");
+  return any != 0;
+}
+
 }  // namespace cuda
 }  // namespace jsm

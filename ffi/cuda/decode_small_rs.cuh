@@ -106,14 +106,14 @@ constexpr int kRsNarrowHeads = 16;  // N of the narrow instance: every call of u
 constexpr int kRsMaxHeads = 32;
 // Registers after reallocation (the launch gives 168 a thread, 504 for the three). At 32
 // heads O^T alone is 128 floats a thread of B; MODEL1's A holds 7 scale tiles' accumulators
-// (128 floats at 32 heads: 208 keeps its block loop spill-free) and its B the RoPE m-tile
-// (at 32 heads 256, the most setmaxnreg gives, with a few spills; the producer fits in 40).
+// (128 floats at 32 heads: 224 keeps its block loop spill-free) and its B the RoPE m-tile
+// (at 32 heads 256, the most setmaxnreg gives, with a few spills; the producer fits in 24).
 template <KVFormat F, int H>
 struct RsRegs {
   static constexpr bool kV32 = F == KVFormat::kV32;
-  static constexpr int kQK = H == 16 ? (kV32 ? 184 : 200) : (kV32 ? 192 : 208);
+  static constexpr int kQK = H == 16 ? (kV32 ? 184 : 200) : (kV32 ? 192 : 224);
   static constexpr int kPV = H == 16 ? (kV32 ? 216 : 232) : (kV32 ? 248 : 256);
-  static constexpr int kProducer = H == 16 ? (kV32 ? 104 : 72) : (kV32 ? 64 : 40);
+  static constexpr int kProducer = H == 16 ? (kV32 ? 104 : 72) : (kV32 ? 64 : 24);
   static_assert(kQK + kPV + kProducer <= 3 * 168, "setmaxnreg counts over the launch's");
 };
 // Named barriers (0 is __syncthreads).
@@ -122,6 +122,8 @@ constexpr int kRsBarRed = 2;     // A: the per-warp column reductions are in sme
 constexpr int kRsMaxPBufs = 3;
 constexpr int kRsBarPReady = 3;  // + buffer: A -> B, P^T, alpha (and the piece's factors)
 constexpr int kRsBarPFree = kRsBarPReady + kRsMaxPBufs;  // + buffer: B -> A, done with that P^T
+constexpr int kRsBarExact = kRsBarPFree + kRsMaxPBufs;  // B: its warps' votes for the exact A path
+static_assert(kRsBarExact < 16, "a CTA has 16 named barriers");
 
 // The P^T buffer (and alpha, final-factor slot) of block or piece n >= 0.
 template <int kBufs>
@@ -415,18 +417,15 @@ __device__ __forceinline__ void q_store(const QRegs<F>& qr, uint8_t* q_s, float*
 __device__ __forceinline__ float bf16_round(float x) { return __uint_as_float(pack_bf16x2(x, 0.f) << 16); }
 
 // Scale k of a token as the rule uses it: bf16(float32) (V32, one a word) or a UE8M0 byte
-// (MODEL1, four a word: a power of two, looked up in the kScaleTable at smem address `table`,
-// or decoded in registers where kTable is false), from the token's scale chunk in registers
-// (`f`) or in smem (at address `at`).
-template <KVFormat F, bool kTable>
+// (MODEL1, four a word: a power of two, looked up in the kScaleTable at smem address `table`),
+// from the token's scale chunk in registers (`f`) or in smem (at address `at`).
+template <KVFormat F>
 __device__ __forceinline__ float tile_scale(const uint4& f, int k, uint32_t table) {
   const uint32_t w = word(f, F == KVFormat::kV32 ? k : k >> 2);
   if constexpr (F == KVFormat::kV32) {
     return bf16_round(__uint_as_float(w));
-  } else if constexpr (kTable) {
-    return lds_f32(table + 4 * ((w >> (8 * (k & 3))) & 0xffu));
   } else {
-    return ue8m0_to_float(static_cast<uint8_t>(w >> (8 * (k & 3))));
+    return lds_f32(table + 4 * ((w >> (8 * (k & 3))) & 0xffu));
   }
 }
 template <KVFormat F>
@@ -508,15 +507,13 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
 
     const uint32_t row_a = raw + r0 * kRsPitch, row_b = row_a + 8 * kRsPitch;
     float sc_a[kTiles], sc_b[kTiles];
-    // (At 32 heads the table's loads cost A's block loop spills of m and l: 7 a block.)
-    constexpr bool kTableA = H == 16;
     {
       const uint4 fa = lds128(row_a + R::kScaleChunk * 16);
       const uint4 fb = lds128(row_b + R::kScaleChunk * 16);
 #pragma unroll
       for (int k = 0; k < kTiles; ++k) {
-        sc_a[k] = tile_scale<F, kTableA>(fa, k, sb + L::kScaleTable);
-        sc_b[k] = tile_scale<F, kTableA>(fb, k, sb + L::kScaleTable);
+        sc_a[k] = tile_scale<F>(fa, k, sb + L::kScaleTable);
+        sc_b[k] = tile_scale<F>(fb, k, sb + L::kScaleTable);
       }
     }
     float acc[kTiles][kAcc], racc[kAcc];
@@ -782,7 +779,11 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
       const float ratio_i = fabsf(sv[i] * inv_c);
       tiny |= ratio_i < 0x1p-14f && ratio_i >= 0x1p-34f;
     }
-    const bool exact_a = __any_sync(0xffffffffu, tiny);
+    // A warp's vote suffices for V32, whose two paths share their wgmma instructions. MODEL1
+    // writes the products out twice (below), and all four warps must issue the same wgmma: the
+    // warpgroup votes (the exact path gives the fast path's values wherever that one is exact).
+    const bool exact_a = F == KVFormat::kModel1 ? named_bar_any(kRsBarExact, kWarpgroup, tiny)
+                                                : __any_sync(0xffffffffu, tiny);
     // The fast path's f16 factors scale / c, two tokens a register (sv is dead after this: the
     // exact path reloads the scales).
     uint32_t scp[8];
@@ -850,51 +851,78 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     constexpr int kGroups = H == 16 ? 1 : 2;
     constexpr int kMtG = 8 / kGroups;
     uint32_t b[2][4 * kMtG];
+    // MODEL1 writes the groups out twice, for the fast and the exact A values (`exact` a
+    // std::bool_constant): one branch a block rather than two jumps a group. V32's 16-head
+    // kernel ran 3% slower so (session 27); it branches at run time (`exact` a bool).
+    const auto products = [&](auto exact) {
+      constexpr bool kWrittenTwice = !std::is_same_v<decltype(exact), bool>;
 #pragma unroll
-    for (int gn = 0; gn < 4 * kGroups; ++gn) {  // group gn: k-step ks, m-tiles m0 ..
-      const int ks = gn / kGroups;
-      const int m0 = gn % kGroups * kMtG;
-      if (m0 == 0 && ks + 1 < 4) load_rows(ks + 1, rvs[(ks + 1) & 1]);
-      const uint4(&rv)[4] = rvs[ks & 1];
-      if (gn >= 2) wgmma_wait<1>();  // the group that used b[gn & 1] is done
-      uint32_t* bk = b[gn & 1];
-      if (!exact_a) {
-        const uint32_t sc01 = scp[2 * ks], sc23 = scp[2 * ks + 1];  // tokens (0, 1) in x0, x1; (2, 3) in x2, x3
+      for (int gn = 0; gn < 4 * kGroups; ++gn) {  // group gn: k-step ks, m-tiles m0 ..
+        const int ks = gn / kGroups;
+        const int m0 = gn % kGroups * kMtG;
+        if (m0 == 0 && ks + 1 < 4) load_rows(ks + 1, rvs[(ks + 1) & 1]);
+        const uint4(&rv)[4] = rvs[ks & 1];
+        if (gn >= 2) wgmma_wait<1>();  // the group that used b[gn & 1] is done
+        uint32_t* bk = b[gn & 1];
+        if (!exact) {
+          const uint32_t sc01 = scp[2 * ks], sc23 = scp[2 * ks + 1];  // tokens (0, 1) in x0, x1; (2, 3) in x2, x3
 #pragma unroll
-        for (int mi = 0; mi < kMtG; ++mi) {
-          uint32_t x0, x1, x2, x3;
-          pv_codes(rv, m0 + mi, x0, x1, x2, x3);
-          bk[4 * mi + 0] = f16x2_mul(x0, sc01);
-          bk[4 * mi + 1] = f16x2_mul(x1, sc01);
-          bk[4 * mi + 2] = f16x2_mul(x2, sc23);
-          bk[4 * mi + 3] = f16x2_mul(x3, sc23);
-        }
-      } else {
-        const float r0 = scale_over_c(ks, 0), r1 = scale_over_c(ks, 1), r2 = scale_over_c(ks, 2),
-                    r3 = scale_over_c(ks, 3);
-#pragma unroll 1
-        for (int mi = 0; mi < kMtG; ++mi) {
-          uint32_t x0, x1, x2, x3;
-          pv_codes(rv, m0 + mi, x0, x1, x2, x3);
-          bk_set<kMtG>(bk, mi, f16x2_mul_f32(x0, r0, r1), f16x2_mul_f32(x1, r0, r1), f16x2_mul_f32(x2, r2, r3),
-                       f16x2_mul_f32(x3, r2, r3));
-        }
-      }
-      if (gn == 4 * kGroups - 1) release_tile<1>(sb + L::kEmpty + 8 * stage, 0);  // B's loads are done
-      if (gn == 0) pin(o);
-      wgmma_fence();
-#pragma unroll
-      for (int mi = 0; mi < kMtG; ++mi) {
-        const uint64_t db = dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16);
-        if constexpr (kFirstBlockOverwrites) {  // (V32 keeps the immediate scale-d: a register one moved its schedule)
-          wgmma_m64nNk16_rs_or_overwrite<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi, db, !first || ks > 0);
+          for (int mi = 0; mi < kMtG; ++mi) {
+            uint32_t x0, x1, x2, x3;
+            pv_codes(rv, m0 + mi, x0, x1, x2, x3);
+            bk[4 * mi + 0] = f16x2_mul(x0, sc01);
+            bk[4 * mi + 1] = f16x2_mul(x1, sc01);
+            bk[4 * mi + 2] = f16x2_mul(x2, sc23);
+            bk[4 * mi + 3] = f16x2_mul(x3, sc23);
+          }
         } else {
-          wgmma_m64nNk16_rs<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi, db);
+          const float r0 = scale_over_c(ks, 0), r1 = scale_over_c(ks, 1), r2 = scale_over_c(ks, 2),
+                      r3 = scale_over_c(ks, 3);
+          if constexpr (kWrittenTwice) {  // (a runtime m-tile index in bk_set would spill here)
+#pragma unroll
+            for (int mi = 0; mi < kMtG; ++mi) {
+              uint32_t x0, x1, x2, x3;
+              pv_codes(rv, m0 + mi, x0, x1, x2, x3);
+              bk[4 * mi + 0] = f16x2_mul_f32(x0, r0, r1);
+              bk[4 * mi + 1] = f16x2_mul_f32(x1, r0, r1);
+              bk[4 * mi + 2] = f16x2_mul_f32(x2, r2, r3);
+              bk[4 * mi + 3] = f16x2_mul_f32(x3, r2, r3);
+            }
+          } else {
+#pragma unroll 1
+            for (int mi = 0; mi < kMtG; ++mi) {
+              uint32_t x0, x1, x2, x3;
+              pv_codes(rv, m0 + mi, x0, x1, x2, x3);
+              bk_set<kMtG>(bk, mi, f16x2_mul_f32(x0, r0, r1), f16x2_mul_f32(x1, r0, r1), f16x2_mul_f32(x2, r2, r3),
+                           f16x2_mul_f32(x3, r2, r3));
+            }
+          }
         }
+        if (gn == 4 * kGroups - 1) release_tile<1>(sb + L::kEmpty + 8 * stage, 0);  // B's loads are done
+        if (gn == 0) pin(o);
+        wgmma_fence();
+#pragma unroll
+        for (int mi = 0; mi < kMtG; ++mi) {
+          const uint64_t db = dp_ + static_cast<uint64_t>(ks * 2 * H * 16 / 16);
+          if constexpr (kFirstBlockOverwrites) {  // (V32 keeps the immediate scale-d: a register one moved its schedule)
+            wgmma_m64nNk16_rs_or_overwrite<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi, db, !first || ks > 0);
+          } else {
+            wgmma_m64nNk16_rs<true, H>(o + (m0 + mi) * kAcc, bk + 4 * mi, db);
+          }
+        }
+        wgmma_commit();
       }
-      wgmma_commit();
+      wgmma_wait<0>();  // (in each copy: no product in flight where the two join)
+    };
+    if constexpr (F == KVFormat::kModel1) {
+      if (exact_a) {
+        products(std::true_type{});
+      } else {
+        products(std::false_type{});
+      }
+    } else {
+      products(exact_a);
     }
-    wgmma_wait<0>();
     pin(o);
     pin(orope);
     named_bar_arrive(kRsBarPFree + pb, 2 * kWarpgroup);
