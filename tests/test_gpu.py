@@ -463,19 +463,24 @@ def v32_scales_bound(case, ref_out, *, logit_errors=True):
         return bound + np.where(dispersion > 0, 2.0 * np.expm1(2.0 * eps) * dispersion, 0.0)
 
 
-@pytest.mark.parametrize("h_q", [16, 32, 64], ids=head_id)
-def test_non_power_of_two_v32_scales(h_q):
-    """V32 readers accept any float32 scale (rounded to bf16 first), huge and tiny ones too (the
-    2^20 factor keeps bf16(scale) >= 2^8 after softening: the kernel's two-multiply path); 16
-    and 32 heads (one worker: 4 blocks) run the few-heads kernels, whose blocks of scales
-    spanning more than 2^14 take their exact path."""
-    case = _on(v32_scales_case(fresh_rng(), h_q), GPU)
+def _assert_within_scales_bound(case, h_q):
+    """The GPU's lse within the tolerances and its out within v32_scales_bound; 32 heads on one
+    worker (4 blocks), so that the few-heads kernel runs."""
     out, lse = _decode(**case, plan=_plan(case, num_parts=1) if h_q == 32 else None)
     ref_out, ref_lse = _reference(**case)
     assert_lse_close(np.asarray(lse), np.asarray(ref_lse))
     a, r = _np(out).astype(np.float64), _np(ref_out).astype(np.float64)
     bound = v32_scales_bound(case, r)
     assert np.all(np.abs(a - r) <= bound), float(np.max(np.abs(a - r) - bound))
+
+
+@pytest.mark.parametrize("h_q", [16, 32, 64], ids=head_id)
+def test_non_power_of_two_v32_scales(h_q):
+    """V32 readers accept any float32 scale (rounded to bf16 first), huge and tiny ones too (the
+    2^20 factor keeps bf16(scale) >= 2^8 after softening: the kernel's two-multiply path); 16
+    and 32 heads (one worker: 4 blocks) run the few-heads kernels, whose blocks of scales
+    spanning more than 2^14 take their exact path."""
+    _assert_within_scales_bound(_on(v32_scales_case(fresh_rng(), h_q), GPU), h_q)
 
 
 def model1_scales_case(rng, h_q):
@@ -499,13 +504,7 @@ def model1_scales_case(rng, h_q):
 def test_wide_model1_scale_spreads(h_q):
     """MODEL1 blocks whose scales span up to 2^29, within the bound of the V32 test's (the same
     arithmetic); 16 and 32 heads (one worker: 4 blocks) run the few-heads kernels."""
-    case = _on(model1_scales_case(fresh_rng(), h_q), GPU)
-    out, lse = _decode(**case, plan=_plan(case, num_parts=1) if h_q == 32 else None)
-    ref_out, ref_lse = _reference(**case)
-    assert_lse_close(np.asarray(lse), np.asarray(ref_lse))
-    a, r = _np(out).astype(np.float64), _np(ref_out).astype(np.float64)
-    bound = v32_scales_bound(case, r)
-    assert np.all(np.abs(a - r) <= bound), float(np.max(np.abs(a - r) - bound))
+    _assert_within_scales_bound(_on(model1_scales_case(fresh_rng(), h_q), GPU), h_q)
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
