@@ -3,12 +3,26 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <vector>
+
 #include "common/split_plan.h"
 #include "handlers.h"
 
 namespace nb = nanobind;
 
 namespace {
+
+// Whether the plan of `batch` requests with full lists (every length topk / extra_topk) over
+// `num_parts` workers cuts a request into several pieces: the plan handlers' planner, run here.
+// With none, the decode writes every out/lse row itself and the combine has nothing to do.
+bool full_lists_plan_splits(bool batch_invariant, int batch, int topk, int extra_topk, int num_parts) {
+  const int blocks = jsm::main_blocks(topk) + jsm::extra_blocks(extra_topk);
+  std::vector<int32_t> sched(static_cast<size_t>(num_parts) * jsm::kSchedFields), num_splits(batch + 1);
+  jsm::build_plan(batch_invariant, batch, num_parts, [&](int) { return blocks; }, sched.data(), num_splits.data());
+  for (int i = 0; i < batch; ++i)
+    if (num_splits[i + 1] - num_splits[i] != 1) return true;
+  return false;
+}
 
 nb::capsule as_capsule(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }
 
@@ -53,6 +67,7 @@ NB_MODULE(_jax_sparse_mla, m) {
   m.def("invariant_parts_needed", [](int64_t batch, int topk, int extra_topk) {
     return jsm::invariant_parts_needed(batch, topk, extra_topk);
   });
+  m.def("full_lists_plan_splits", &full_lists_plan_splits);
   m.def("build_info", [] {
     nb::dict d;
     d["jaxlib"] = JSM_JAXLIB_VERSION;

@@ -136,6 +136,48 @@ def test_many_splits(request, fmt, num_parts):
     _check(case, plan=plan)
 
 
+def test_unsplit_is_the_plans_own_answer():
+    """plan.unsplit (known while tracing, without length arrays) says whether the plan cuts no
+    request, exactly: against its num_splits over a grid of batches, lists and worker counts,
+    default and batch-invariant plans too; a plan with length arrays never claims it."""
+    seen = set()
+    for b in (1, 2, 3, 7, 64, 129):
+        for topk, extra_topk in ((1, 0), (64, 0), (65, 0), (128, 512), (300, 70), (2048, 0)):
+            q = jax.ShapeDtypeStruct((b, 2, 16, 576), jnp.bfloat16)
+            idx = jax.ShapeDtypeStruct((b, 2, topk), jnp.int32)
+            eidx = jax.ShapeDtypeStruct((b, 2, extra_topk), jnp.int32) if extra_topk else None
+            plans = [jsm.plan_decode(q, idx, extra_indices=eidx, num_parts=n) for n in (1, 2, 3, 4, 7, 33, 66)]
+            plans += [jsm.plan_decode(q, idx, extra_indices=eidx), jsm.plan_decode(q, idx, extra_indices=eidx,
+                                                                                   batch_invariant=True)]
+            for plan in plans:
+                one_piece_each = bool(np.all(np.diff(np.asarray(plan.num_splits)) == 1))
+                assert plan.unsplit == one_piece_each, (b, topk, extra_topk, plan.num_parts, plan.batch_invariant)
+                seen.add(plan.unsplit)
+            lens = jnp.full((b,), topk, jnp.int32)
+            assert not jsm.plan_decode(q, idx, topk_length=lens, extra_indices=eidx, num_parts=1).unsplit
+    assert seen == {True, False}
+
+
+@pytest.mark.parametrize("fmt", [V32, MODEL1])
+def test_unsplit_plans_skip_the_combine(fmt):
+    """Without length arrays, a call whose plan cuts no request leaves the combine out of the
+    program (the decode writes every row) and one that cuts some keeps it; passed plans and
+    plans made inside the call both match the reference."""
+    case = make_case(fresh_rng(), fmt, b=3, s_q=2, h_q=16, topk=300, page_size=64, num_blocks=16,
+                     extra_topk=70 if fmt == MODEL1 else 0, extra_page_size=64, extra_num_blocks=4, with_sink=True)
+    for num_parts, unsplit in ((1, True), (17, False)):
+        plan = jsm.plan_decode(case["q"], case["indices"], extra_indices=case.get("extra_indices"),
+                               num_parts=num_parts)
+        assert plan.unsplit == unsplit
+        hlo = _decode.lower(**case, plan=plan).as_text()
+        assert ("jsm_combine" in hlo) != unsplit
+        _check(case, plan=plan)
+    default = jsm.plan_decode(case["q"], case["indices"], extra_indices=case.get("extra_indices"))
+    hlo = _decode.lower(**case).as_text()
+    assert ("jsm_combine" in hlo) != default.unsplit
+    _check(case)
+
+
 def test_plan_reused_across_calls(request):
     rng = fresh_rng()
     case = make_case(rng, V32, b=2, s_q=2, h_q=16, topk=128, page_size=64, num_blocks=8, with_lengths=True)

@@ -83,6 +83,22 @@ def test_mapped_sink_only():
         _close(out[i], lse[i], *_reference(**{**case, "attn_sink": jnp.asarray(sinks[i])}))
 
 
+def test_folded_batch_gets_its_own_unsplit():
+    """A passed plan that cuts neither of its 2 requests; vmap over 2 elements folds 4 requests,
+    whose plan (same worker count) cuts one: the folded call must run the combine again."""
+    rng = fresh_rng()
+    cases = [make_case(rng, "V32", b=2, s_q=1, h_q=16, topk=300, page_size=64, num_blocks=16, sm_scale=None)
+             for _ in range(2)]
+    plan = jsm.plan_decode(cases[0]["q"], cases[0]["indices"], num_parts=3)
+    folded = jsm.plan_decode(jax.ShapeDtypeStruct((4, 1, 16, 576), jnp.bfloat16),
+                             jax.ShapeDtypeStruct((4, 1, 300), jnp.int32), num_parts=3)
+    assert plan.unsplit and not folded.unsplit
+    q, kv, idx = (_stack(cases, k) for k in ("q", "kv_cache", "indices"))
+    out, lse = jax.jit(jax.vmap(lambda q, kv, i: jsm.sparse_mla_decode(q, kv, i, plan=plan)))(q, kv, idx)
+    for i, case in enumerate(cases):
+        _close(out[i], lse[i], *_reference(**case))
+
+
 def test_plans_under_vmap():
     """plan_decode under vmap gives one plan per element; a plan passed into a vmapped decode
     (mapped or not) is replaced by one for the folded batch, keeping its worker count."""

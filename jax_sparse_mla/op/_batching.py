@@ -63,6 +63,7 @@ def _fold_batch(static: DecodeStatic, n: int, in_batched, ops):
         if static.plan_parts is not None:
             plan = plan_for(static, ops)
             ops = ops._replace(sched=plan.sched, num_splits=plan.num_splits)
+            static = dataclasses.replace(static, plan_unsplit=plan.unsplit)
         return batchable(static)(*ops.given()), (False, False)
 
     def per_element(x, is_batched):
@@ -100,5 +101,6 @@ def _fold_batch(static: DecodeStatic, n: int, in_batched, ops):
     if static.plan_parts is not None:
         plan = plan_for(static, folded)
         folded = folded._replace(sched=plan.sched, num_splits=plan.num_splits)
+        inner = dataclasses.replace(inner, plan_unsplit=plan.unsplit)
     out, lse = batchable(inner)(*folded.given())
     return (unfold(out), unfold(lse)), (True, True)

@@ -17,6 +17,9 @@ TARGETS = (PLAN_TARGET, DECODE_TARGET, COMBINE_TARGET)
 CHUNK_BLOCKS = int(_ext.CHUNK_BLOCKS)
 max_chunks = _ext.max_chunks
 invariant_parts_needed = _ext.invariant_parts_needed
+# Whether the plan of full-length lists cuts a request into pieces (split_plan.h's planner run
+# while tracing): full_lists_plan_splits(batch_invariant, b, topk, extra_topk, num_parts).
+full_lists_plan_splits = _ext.full_lists_plan_splits
 
 
 def _register() -> bool:

@@ -73,6 +73,10 @@ class DecodeStatic:
     plan_parts: int | None
     # Plans (passed or re-made per shard / folded batch) are batch-invariant ones.
     batch_invariant: bool
+    # No length arrays were passed: a re-made plan follows from the shapes (DecodePlan.unsplit).
+    full_lists: bool = False
+    # A passed plan's `unsplit`: whoever swaps the plan's arrays in the operands swaps it too.
+    plan_unsplit: bool = False
 
     def ffi_attributes(self) -> dict:
         """The attributes of the `jsm_decode` call, in `bind_decode`'s order."""

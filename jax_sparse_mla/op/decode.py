@@ -121,7 +121,9 @@ def _prepare(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_ca
     static = DecodeStatic(
         sm_scale=float(scale), fmt=fmt, page_size=cache.page_size, extra_page_size=extra_page_size,
         has_sink=has_sink, has_extra=extra_topk > 0, sink_per_request=False,
-        plan_parts=None if plan is None else plan.num_parts, batch_invariant=batch_invariant)
+        plan_parts=None if plan is None else plan.num_parts, batch_invariant=batch_invariant,
+        full_lists=topk_length is None and extra_topk_length is None,
+        plan_unsplit=plan is not None and plan.unsplit)
     return operands, static
 
 

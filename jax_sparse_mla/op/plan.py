@@ -26,8 +26,9 @@ MAX_NUM_PARTS = 1 << 16
 class DecodeConfig:
     """Static facts the schedule is sized from.
 
-    `num_sms` bounds the worker count; on CUDA the handler lowers it to what the
-    GPU running the call actually has, so no device is queried while tracing.
+    `num_sms` bounds the worker count; on CUDA it is lowered to what the GPU
+    actually has: by the plan handler at run time, or, for a plan without length
+    arrays, while tracing from JAX's default device (`plan_decode`).
     132 is the H100/H200 SXM count; no Hopper part has more.
     """
 
@@ -60,6 +61,10 @@ class DecodePlan:
     extra_topk: int = dataclasses.field(metadata=dict(static=True))
     # Made by plan_decode(batch_invariant=True): one worker per fixed chunk of each request.
     batch_invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # Known while tracing (plan_decode without length arrays, its worker count fixed then): no
+    # request is cut into pieces, so the decode writes every out/lse row itself and
+    # sparse_mla_decode runs no combine. A hand-made plan leaves it False.
+    unsplit: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def num_parts(self) -> int:
@@ -91,8 +96,13 @@ def plan_decode(
     arrays. Pass the same lengths to `sparse_mla_decode`.
 
     `num_parts`: the number of workers. Default: `default_num_parts(s_q, h_q)`,
-    fitted on CUDA to the SM count of the GPU that runs it. An explicit value is
-    used as is (useful to force many small pieces).
+    fitted on CUDA to the SM count of the GPU that runs it (without length arrays:
+    of JAX's default device, while tracing). An explicit value is used as is
+    (useful to force many small pieces).
+
+    Without length arrays the plan follows from the shapes, and `plan.unsplit` says
+    while tracing whether it cuts no request into pieces; then every out/lse row is
+    the decode pass's own and `sparse_mla_decode` skips the combine pass.
 
     `batch_invariant`: every request is cut into fixed chunks of its own blocks (32
     blocks, 2048 entries: a V3.2 top-k of 2048 is one chunk), each one piece, so its
@@ -118,6 +128,14 @@ def plan_decode(
         num_parts = default_num_parts(s_q, h_q, config)
     if not isinstance(num_parts, (int, np.integer)) or not 1 <= num_parts <= MAX_NUM_PARTS:
         raise ValueError(f"num_parts: expected an int in [1, {MAX_NUM_PARTS}], got {num_parts!r}")
+    divisor = s_q * math.ceil(h_q / HEADS_PER_CTA)
+    unsplit = False
+    if topk_length is None and extra_topk_length is None:  # the plan follows from the shapes
+        if fit:  # fitted now rather than by the handler, so that the pieces are known here
+            fitted = _parts_fitted_while_tracing(num_parts, divisor)
+            if fitted is not None:
+                num_parts, fit = fitted, False
+        unsplit = not fit and not _ffi.full_lists_plan_splits(batch_invariant, b, topk, extra_topk, int(num_parts))
     lengths = lengths_or_full("topk_length", topk_length, b, topk)
     extra_lengths = lengths_or_full("extra_topk_length", extra_topk_length, b, extra_topk)
     sched, num_splits = jax.ffi.ffi_call(
@@ -136,11 +154,23 @@ def plan_decode(
         extra_topk=np.int64(extra_topk),
         num_parts=np.int64(num_parts),
         fit_to_device=bool(fit),
-        parts_divisor=np.int64(s_q * math.ceil(h_q / HEADS_PER_CTA)),
+        parts_divisor=np.int64(divisor),
         batch_invariant=batch_invariant,
     )
     return DecodePlan(sched=sched, num_splits=num_splits, batch=b, topk=topk, extra_topk=extra_topk,
-                      batch_invariant=batch_invariant)
+                      batch_invariant=batch_invariant, unsplit=unsplit)
+
+
+def _parts_fitted_while_tracing(num_parts: int, divisor: int) -> int | None:
+    """The worker count the CUDA plan handler's fit would give on JAX's default device
+    (min(num_parts, SMs / divisor)), or None where that device does not say its SM count (the
+    handler then fits at run time). The CPU handler does not fit."""
+    if jax.default_backend() == "cpu":
+        return num_parts
+    sms = getattr(jax.devices()[0], "core_count", None)
+    if not isinstance(sms, int) or sms < 1:
+        return None
+    return min(num_parts, max(sms // divisor, 1))
 
 
 def _invariant_num_parts(b: int, s_q: int, h_q: int, topk: int, extra_topk: int, num_parts, config) -> int:
