@@ -12,4 +12,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JsmCombineCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JsmPlanCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JsmDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JsmCombineCuda);
+
+namespace jsm {
+namespace cuda {
+// The SM count the CUDA plan handler fits its workers to, of the calling thread's current
+// device; 0 where there is none. Python asks it while tracing (plan_decode without lengths).
+int sm_count_for_planning();
+}  // namespace cuda
+}  // namespace jsm
 #endif

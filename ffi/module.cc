@@ -68,6 +68,13 @@ NB_MODULE(_jax_sparse_mla, m) {
     return jsm::invariant_parts_needed(batch, topk, extra_topk);
   });
   m.def("full_lists_plan_splits", &full_lists_plan_splits);
+  m.def("cuda_sm_count", [] {
+#ifdef JSM_WITH_CUDA
+    return jsm::cuda::sm_count_for_planning();
+#else
+    return 0;
+#endif
+  });
   m.def("build_info", [] {
     nb::dict d;
     d["jaxlib"] = JSM_JAXLIB_VERSION;

@@ -308,9 +308,9 @@ def test_default_plan_fits_device():
 
 
 def test_full_list_plan_is_fitted_while_tracing():
-    """Without length arrays the default worker count is fitted to this GPU while tracing (from
-    JAX's device's SM count), so the plan knows it cuts no request here (66 requests of 4 blocks,
-    one a worker on an H200) and the call runs without the combine."""
+    """Without length arrays the default worker count is fitted to this GPU while tracing (the
+    SM count the plan handler reads), so the plan knows it cuts no request here (66 requests of
+    4 blocks, one a worker on an H200) and the call runs without the combine."""
     case = _on(make_case(fresh_rng(), V32, b=66, s_q=2, h_q=16, topk=256, page_size=64, num_blocks=40,
                          with_sink=True), GPU)
     plan = jsm.plan_decode(case["q"], case["indices"])

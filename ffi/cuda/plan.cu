@@ -76,6 +76,12 @@ ffi::Error plan_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_length, ffi
 }
 
 }  // namespace
+
+int sm_count_for_planning() {
+  int sms = 0;
+  return current_sm_count(&sms).success() ? sms : 0;
+}
+
 }  // namespace cuda
 }  // namespace jsm
 

@@ -28,7 +28,7 @@ class DecodeConfig:
 
     `num_sms` bounds the worker count; on CUDA it is lowered to what the GPU
     actually has: by the plan handler at run time, or, for a plan without length
-    arrays, while tracing from JAX's default device (`plan_decode`).
+    arrays, while tracing, from GPU 0's SM count (`plan_decode`).
     132 is the H100/H200 SXM count; no Hopper part has more.
     """
 
@@ -97,8 +97,8 @@ def plan_decode(
 
     `num_parts`: the number of workers. Default: `default_num_parts(s_q, h_q)`,
     fitted on CUDA to the SM count of the GPU that runs it (without length arrays:
-    of JAX's default device, while tracing). An explicit value is used as is
-    (useful to force many small pieces).
+    while tracing, to GPU 0's). An explicit value is used as is (useful to force
+    many small pieces).
 
     Without length arrays the plan follows from the shapes, and `plan.unsplit` says
     while tracing whether it cuts no request into pieces; then every out/lse row is
@@ -162,13 +162,14 @@ def plan_decode(
 
 
 def _parts_fitted_while_tracing(num_parts: int, divisor: int) -> int | None:
-    """The worker count the CUDA plan handler's fit would give on JAX's default device
-    (min(num_parts, SMs / divisor)), or None where that device does not say its SM count (the
-    handler then fits at run time). The CPU handler does not fit."""
+    """The worker count the CUDA plan handler's fit would give (min(num_parts, SMs / divisor)),
+    with the SM count the handler reads, of this thread's current GPU (GPU 0: every GPU of a
+    process is taken to be the same part); None where there is none (the handler then fits at
+    run time). The CPU handler does not fit."""
     if jax.default_backend() == "cpu":
         return num_parts
-    sms = getattr(jax.devices()[0], "core_count", None)
-    if not isinstance(sms, int) or sms < 1:
+    sms = _ffi.cuda_sm_count()
+    if sms < 1:
         return None
     return min(num_parts, max(sms // divisor, 1))
 
