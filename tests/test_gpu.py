@@ -307,21 +307,6 @@ def test_default_plan_fits_device():
     _check(case, plan=plan)
 
 
-def test_full_list_plan_is_fitted_while_tracing():
-    """Without length arrays the default worker count is fitted to this GPU while tracing (the
-    SM count the plan handler reads), so the plan knows it cuts no request here (66 requests of
-    4 blocks, one a worker on an H200) and the call runs without the combine."""
-    case = _on(make_case(fresh_rng(), V32, b=66, s_q=2, h_q=16, topk=256, page_size=64, num_blocks=40,
-                         with_sink=True), GPU)
-    plan = jsm.plan_decode(case["q"], case["indices"])
-    assert plan.num_parts == min(jsm.default_num_parts(2, 16), max(_sm_count() // 2, 1))
-    assert plan.unsplit == bool(np.all(np.diff(np.asarray(plan.num_splits)) == 1))
-    if _sm_count() >= 132:
-        assert plan.unsplit
-    _check(case, plan=plan)
-    _check(case)
-
-
 def _with_lengths(case, lengths, extra_lengths=None):
     case = dict(case, topk_length=jnp.asarray(lengths, jnp.int32))
     if extra_lengths is not None:
