@@ -719,6 +719,10 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
   // output and reads the slot there: overwriting cost it 3% (benchmarks/NOTES.md, sessions
   // 24-25).
   constexpr bool kFirstBlockOverwrites = kRopeTile || H == 32;
+  // MODEL1 writes B's products out twice, for the fast and the exact A values: one branch a
+  // block rather than two jumps a group. V32's 16-head kernel ran 3% slower so (session 27); it
+  // branches a group at run time.
+  constexpr bool kProductsTwice = F == KVFormat::kModel1;
   float o[8 * kAcc];  // O^T / cn: m-tile mt (dims 16 q + 2 mt, + 1) at o[mt * kAcc ..]
   float orope[kRopeTile ? kAcc : 1];  // (kRopeTile) the RoPE dims' O^T, not in units of cn
   if constexpr (!kFirstBlockOverwrites) {
@@ -779,11 +783,11 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
       const float ratio_i = fabsf(sv[i] * inv_c);
       tiny |= ratio_i < 0x1p-14f && ratio_i >= 0x1p-34f;
     }
-    // A warp's vote suffices for V32, whose two paths share their wgmma instructions. MODEL1
-    // writes the products out twice (below), and all four warps must issue the same wgmma: the
-    // warpgroup votes (the exact path gives the fast path's values wherever that one is exact).
-    const bool exact_a = F == KVFormat::kModel1 ? named_bar_any(kRsBarExact, kWarpgroup, tiny)
-                                                : __any_sync(0xffffffffu, tiny);
+    // A warp's vote suffices where the two paths share their wgmma instructions. With the
+    // products written twice all four warps must issue the same wgmma: the warpgroup votes (the
+    // exact path gives the fast path's values wherever that one is exact).
+    const bool exact_a = kProductsTwice ? named_bar_any(kRsBarExact, kWarpgroup, tiny)
+                                        : __any_sync(0xffffffffu, tiny);
     // The fast path's f16 factors scale / c, two tokens a register (sv is dead after this: the
     // exact path reloads the scales).
     uint32_t scp[8];
@@ -851,9 +855,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
     constexpr int kGroups = H == 16 ? 1 : 2;
     constexpr int kMtG = 8 / kGroups;
     uint32_t b[2][4 * kMtG];
-    // MODEL1 writes the groups out twice, for the fast and the exact A values (`exact` a
-    // std::bool_constant): one branch a block rather than two jumps a group. V32's 16-head
-    // kernel ran 3% slower so (session 27); it branches at run time (`exact` a bool).
+    // `exact`: a std::bool_constant where the products are written twice, else a bool.
     const auto products = [&](auto exact) {
       constexpr bool kWrittenTwice = !std::is_same_v<decltype(exact), bool>;
 #pragma unroll
@@ -914,7 +916,7 @@ __device__ __forceinline__ void consume_pv_f16(const Params& p, const Work& w, i
       }
       wgmma_wait<0>();  // (in each copy: no product in flight where the two join)
     };
-    if constexpr (F == KVFormat::kModel1) {
+    if constexpr (kProductsTwice) {
       if (exact_a) {
         products(std::true_type{});
       } else {
