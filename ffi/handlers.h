@@ -15,9 +15,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JsmCombineCuda);
 
 namespace jsm {
 namespace cuda {
-// The SM count the CUDA plan handler fits its workers to, of the calling thread's current
-// device; 0 where there is none. Python asks it while tracing (plan_decode without lengths).
-int sm_count_for_planning();
+// The worker count the CUDA plan handler's fit gives on the calling thread's current device
+// (fitted_parts with its SM count); 0 where there is none. Python asks it while tracing
+// (plan_decode without length arrays).
+int64_t parts_fitted_to_current_gpu(int64_t num_parts, int64_t parts_divisor);
 }  // namespace cuda
 }  // namespace jsm
 #endif

@@ -68,9 +68,9 @@ NB_MODULE(_jax_sparse_mla, m) {
     return jsm::invariant_parts_needed(batch, topk, extra_topk);
   });
   m.def("full_lists_plan_splits", &full_lists_plan_splits);
-  m.def("cuda_sm_count", [] {
+  m.def("cuda_fitted_parts", [](int64_t num_parts, int64_t parts_divisor) -> int64_t {
 #ifdef JSM_WITH_CUDA
-    return jsm::cuda::sm_count_for_planning();
+    return jsm::cuda::parts_fitted_to_current_gpu(num_parts, parts_divisor);
 #else
     return 0;
 #endif

@@ -82,6 +82,14 @@ JSM_HD int64_t invariant_parts_needed(int64_t batch, int topk, int extra_topk) {
   return 1 + batch * (max_chunks(topk, extra_topk) - 1);
 }
 
+// The worker count a plan fitted to a GPU of `sms` SMs uses: at most `num_parts`, at most one
+// worker per `parts_divisor` SMs (a worker's CTAs: s_q rows times head groups), at least one.
+JSM_HD int64_t fitted_parts(int64_t num_parts, int sms, int64_t parts_divisor) {
+  int64_t fitted = sms / (parts_divisor > 0 ? parts_divisor : 1);
+  if (fitted < 1) fitted = 1;
+  return fitted < num_parts ? fitted : num_parts;
+}
+
 JSM_HD void clear_row(int32_t* row) {
   for (int k = 0; k < kSchedFields; ++k) row[k] = 0;
 }

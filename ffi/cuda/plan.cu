@@ -61,10 +61,7 @@ ffi::Error plan_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_length, ffi
   if (fit_to_device) {
     int sms = 0;
     JSM_RETURN_IF_ERROR(current_sm_count(&sms));
-    const int64_t div = parts_divisor > 0 ? parts_divisor : 1;
-    int64_t fitted = sms / div;
-    if (fitted < 1) fitted = 1;
-    if (fitted < used) used = fitted;
+    used = fitted_parts(num_parts, sms, parts_divisor);
   }
   const size_t smem = batch <= kPlanSmemRequests ? static_cast<size_t>(batch) * sizeof(int32_t) : 0;
   plan_kernel<<<1, kPlanThreads, smem, stream>>>(topk_length.typed_data(), extra_topk_length.typed_data(),
@@ -77,9 +74,9 @@ ffi::Error plan_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_length, ffi
 
 }  // namespace
 
-int sm_count_for_planning() {
+int64_t parts_fitted_to_current_gpu(int64_t num_parts, int64_t parts_divisor) {
   int sms = 0;
-  return current_sm_count(&sms).success() ? sms : 0;
+  return current_sm_count(&sms).success() ? fitted_parts(num_parts, sms, parts_divisor) : 0;
 }
 
 }  // namespace cuda

@@ -20,9 +20,9 @@ invariant_parts_needed = _ext.invariant_parts_needed
 # Whether the plan of full-length lists cuts a request into pieces (split_plan.h's planner run
 # while tracing): full_lists_plan_splits(batch_invariant, b, topk, extra_topk, num_parts).
 full_lists_plan_splits = _ext.full_lists_plan_splits
-# The SM count the CUDA plan handler fits workers to (its current_sm_count), of the calling
-# thread's current device; 0 without a GPU or CUDA handlers.
-cuda_sm_count = _ext.cuda_sm_count
+# The worker count the CUDA plan handler's fit gives on this thread's current GPU:
+# cuda_fitted_parts(num_parts, parts_divisor); 0 without a GPU or CUDA handlers.
+cuda_fitted_parts = _ext.cuda_fitted_parts
 
 
 def _register() -> bool:

@@ -162,16 +162,13 @@ def plan_decode(
 
 
 def _parts_fitted_while_tracing(num_parts: int, divisor: int) -> int | None:
-    """The worker count the CUDA plan handler's fit would give (min(num_parts, SMs / divisor)),
-    with the SM count the handler reads, of this thread's current GPU (GPU 0: every GPU of a
-    process is taken to be the same part); None where there is none (the handler then fits at
-    run time). The CPU handler does not fit."""
+    """The worker count the CUDA plan handler's fit would give, asked of the handler's own code
+    on this thread's current GPU (GPU 0: every GPU of a process is taken to be the same part);
+    None where there is none (the handler then fits at run time). The CPU handler does not fit."""
     if jax.default_backend() == "cpu":
         return num_parts
-    sms = _ffi.cuda_sm_count()
-    if sms < 1:
-        return None
-    return min(num_parts, max(sms // divisor, 1))
+    fitted = _ffi.cuda_fitted_parts(num_parts, divisor)
+    return fitted if fitted >= 1 else None
 
 
 def _invariant_num_parts(b: int, s_q: int, h_q: int, topk: int, extra_topk: int, num_parts, config) -> int:
