@@ -307,11 +307,56 @@ def test_default_plan_fits_device():
     _check(case, plan=plan)
 
 
+def test_full_list_plan_is_fitted_while_tracing():
+    """Without length arrays the default worker count is fitted to this GPU while tracing (the
+    SM count the plan handler reads), so the plan knows it cuts no request here (66 requests of
+    4 blocks, one a worker on an H200) and the call runs without the combine."""
+    case = _on(make_case(fresh_rng(), V32, b=66, s_q=2, h_q=16, topk=256, page_size=64, num_blocks=40,
+                         with_sink=True), GPU)
+    plan = jsm.plan_decode(case["q"], case["indices"])
+    assert plan.num_parts == min(jsm.default_num_parts(2, 16), max(_sm_count() // 2, 1))
+    assert plan.unsplit == bool(np.all(np.diff(np.asarray(plan.num_splits)) == 1))
+    if _sm_count() >= 132:
+        assert plan.unsplit
+    _check(case, plan=plan)
+    _check(case)
+
+
 def _with_lengths(case, lengths, extra_lengths=None):
     case = dict(case, topk_length=jnp.asarray(lengths, jnp.int32))
     if extra_lengths is not None:
         case["extra_topk_length"] = jnp.asarray(extra_lengths, jnp.int32)
     return case
+
+
+@pytest.mark.parametrize("fmt", [V32, MODEL1])
+def test_stale_unsplit_plan_gives_nan_never_a_finite_wrong_answer(fmt):
+    """A plan made without lengths (unsplit: the call runs no combine) used by a call with
+    shorter lengths: each request comes out right or all NaN in out and lse, never finite and
+    wrong; with one request a worker, a request whose block count moved is NaN. Softened, as
+    every comparison with the spec's bound (unscaled MODEL1 rope values miss it by rounding)."""
+    rng = fresh_rng()
+    b, topk = 8, 256
+    case = soften(make_case(rng, fmt, b=b, s_q=2, h_q=16, topk=topk, page_size=64, num_blocks=40, with_sink=True))
+    plan = jsm.plan_decode(case["q"], case["indices"], num_parts=b)
+    assert plan.unsplit
+    lengths = rng.integers(0, topk + 1, size=b).astype(np.int32)
+    call_case = _on(_with_lengths(case, lengths), GPU)
+    out, lse = _decode(**call_case, plan=plan)
+    ref_out, ref_lse = _reference(**call_case)
+    out, lse, ref_out, ref_lse = _np(out), np.asarray(lse), _np(ref_out), np.asarray(ref_lse)
+    moved = request_blocks(lengths, topk, None, 0) != request_blocks(np.full(b, topk), topk, None, 0)
+    finite = []
+    for r in range(b):
+        if moved[r]:
+            assert np.isnan(out[r]).all() and np.isnan(lse[r]).all(), f"request {r}: its blocks moved, not NaN"
+        elif np.isnan(out[r]).any() or np.isnan(lse[r]).any():
+            raise AssertionError(f"request {r}: NaN although its block count did not move")
+        else:
+            finite.append(r)
+    if finite:
+        assert_out_close(out[finite], ref_out[finite])
+        assert_lse_close(lse[finite], ref_lse[finite])
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
