@@ -94,7 +94,11 @@ def test_kernel_times_line_and_incomplete_log(tmp_path):
     script = ROOT / "benchmarks/kernel_times.py"
     done = subprocess.run([sys.executable, str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
     assert done.stdout.startswith("KTIME v32_h16 ours 166.3 us (ours alone: decode_kernel_small 164.0")
-    log.write_text(NCU_LOG.split("  unnamed>")[0])  # no combine launch: not a time per call
+    # No combine launch: a plan that cuts no request runs none, so the decode alone is the call.
+    log.write_text(NCU_LOG.split("  unnamed>")[0])
+    done = subprocess.run([sys.executable, str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
+    assert done.stdout.startswith("KTIME v32_h16 ours 200.0 us (ours alone: decode_kernel_small 200.0)")
+    log.write_text("".join(NCU_LOG.splitlines(keepends=True)[2:4]))  # a combine and no decode: not a call
     done = subprocess.run([sys.executable, str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
     assert "incomplete" in done.stdout
 
