@@ -58,14 +58,17 @@ __device__ __forceinline__ void reduce_columns(float (&v)[H / 4], float* red, in
 __device__ __forceinline__ int acc_column(int i) { return 2 * (i >> 2) + (i & 1); }
 
 // The softmax step of one block over S^T's accumulators (this thread's rows r0, r0 + 8, whose
-// entries are valid when v0 / v1): invalid rows get -inf, each head's maximum crosses the 64
-// rows (smem `red`, named barrier `bar`), the running maximum m moves lazily (alpha: the
-// factor of what came before), and sacc becomes probabilities 2^(scale s - m), added to this
-// thread's share of l (its two rows; the 64 are summed at the piece's end).
+// entries are valid when v0 / v1): invalid rows get -inf, the running maximum m moves lazily
+// (alpha: the factor of what came before), and sacc becomes probabilities 2^(scale s - m),
+// added to this thread's share of l (its two rows; the 64 are summed at the piece's end).
+// m moves only when a block's maximum exceeds it by kLazyRescale, and in most blocks no
+// thread's value does: one vote of the warpgroup (named barrier `vote_bar`) then stands for the
+// reduction of each head's maximum over the 64 rows (smem `red`, named barrier `bar`), with the
+// same m and alpha = 1. scale > 0: the maximum of the scaled values is the scaled maximum.
 template <int H>
 __device__ __forceinline__ void block_softmax(float (&sacc)[H / 2], bool v0, bool v1, float (&m)[H / 4],
                                               float (&l)[H / 4], float (&alpha)[H / 4], float scale, float* red,
-                                              int warp, int lane, int bar) {
+                                              int warp, int lane, int bar, int vote_bar) {
   if (!(v0 && v1)) {
 #pragma unroll
     for (int i = 0; i < H / 2; ++i)
@@ -76,15 +79,23 @@ __device__ __forceinline__ void block_softmax(float (&sacc)[H / 2], bool v0, boo
   for (int j = 0; j < H / 4; ++j) mx[j] = -INFINITY;
 #pragma unroll
   for (int i = 0; i < H / 2; ++i) mx[acc_column(i)] = fmaxf(mx[acc_column(i)], sacc[i]);
-  reduce_columns<H, true>(mx, red, warp, lane, bar);
+  bool up = false;  // false for NaN and for -inf (all masked), as `grow` below
 #pragma unroll
-  for (int j = 0; j < H / 4; ++j) {
-    const float mx_scaled = mx[j] * scale;  // scale > 0
-    const bool grow = mx_scaled > m[j] + kLazyRescale;
-    const float m_new = grow ? mx_scaled : m[j];
-    alpha[j] = grow ? fast_exp2(m[j] - m_new) : 1.f;
-    m[j] = m_new;
-    l[j] *= alpha[j];
+  for (int j = 0; j < H / 4; ++j) up |= mx[j] * scale > m[j] + kLazyRescale;
+  if (named_bar_any(vote_bar, kWarpgroup, up)) {
+    reduce_columns<H, true>(mx, red, warp, lane, bar);
+#pragma unroll
+    for (int j = 0; j < H / 4; ++j) {
+      const float mx_scaled = mx[j] * scale;
+      const bool grow = mx_scaled > m[j] + kLazyRescale;
+      const float m_new = grow ? mx_scaled : m[j];
+      alpha[j] = grow ? fast_exp2(m[j] - m_new) : 1.f;
+      m[j] = m_new;
+      l[j] *= alpha[j];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < H / 4; ++j) alpha[j] = 1.f;
   }
 #pragma unroll
   for (int i = 0; i < H / 2; ++i) {
@@ -123,7 +134,8 @@ constexpr int kRsMaxPBufs = 3;
 constexpr int kRsBarPReady = 3;  // + buffer: A -> B, P^T, alpha (and the piece's factors)
 constexpr int kRsBarPFree = kRsBarPReady + kRsMaxPBufs;  // + buffer: B -> A, done with that P^T
 constexpr int kRsBarExact = kRsBarPFree + kRsMaxPBufs;  // B: its warps' votes for the exact A path
-static_assert(kRsBarExact < 16, "a CTA has 16 named barriers");
+constexpr int kRsBarGrow = kRsBarExact + 1;  // A: its warps' votes for moving the running maximum
+static_assert(kRsBarGrow < 16, "a CTA has 16 named barriers");
 
 // The P^T buffer (and alpha, final-factor slot) of block or piece n >= 0.
 template <int kBufs>
@@ -600,7 +612,7 @@ __device__ __forceinline__ void consume_qk_f16(const Params& p, const Work& w, i
 
     // Softmax over the 64 tokens of each head (column).
     float alpha[kCols];
-    block_softmax<H>(sacc, v0, v1, m, l, alpha, scale, red, warp, lane, kRsBarRed);
+    block_softmax<H>(sacc, v0, v1, m, l, alpha, scale, red, warp, lane, kRsBarRed, kRsBarGrow);
 
     const int pb = p_buffer<L::kPBufs>(n);
     if (n >= L::kPBufs) named_bar_sync(kRsBarPFree + pb, 2 * kWarpgroup);  // B is done with block n - kPBufs's
