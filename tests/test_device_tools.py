@@ -15,6 +15,7 @@ from pathlib import Path
 import jax.ffi
 import pytest
 
+import jax.numpy as jnp
 import numpy as np
 
 import jax_sparse_mla as jsm
@@ -144,7 +145,12 @@ def test_numerics_model_follows_the_plan_as_the_gpu_did():
     exact, _ = np_sparse_mla_decode(**{k: v if k == "sm_scale" else np.asarray(v) for k, v in case.items()})
     one = model_decode(case)
     assert abs(cosine_difference(one[3], exact[3]) - 3.802e-6) < 0.02e-6
-    plan = jsm.plan_decode(case["q"], case["indices"], topk_length=case["topk_length"], num_parts=11)
+    # The plan the GPU ran (num_parts=11 under the planner of then: request 4 in pieces of 4 and
+    # 1 blocks; today's planner spreads 5 requests over all 11 workers).
+    sched = [[0, 0, 0, 2, 0, 1, 1, 0], [1, 1, 0, 3, 0, 1, 1, 0], [2, 2, 0, 2, 0, 1, 1, 0], [3, 3, 0, 4, 0, 1, 1, 0],
+             [4, 4, 0, 4, 0, 1, 0, 0], [4, 4, 4, 5, 1, 0, 1, 0]] + [[5, 4, 0, 0, 0, 0, 0, 0]] * 5
+    plan = jsm.DecodePlan(sched=jnp.asarray(sched, jnp.int32), num_splits=jnp.asarray([0, 1, 2, 3, 4, 6], jnp.int32),
+                          batch=5, topk=320, extra_topk=0)
     eleven = model_decode(case, plan=plan)
     assert abs(cosine_difference(eleven[4], exact[4]) - 3.327e-6) < 0.02e-6
 

@@ -189,6 +189,37 @@ def test_plan_reused_across_calls(request):
     _check(case2, plan=plan)
 
 
+def test_few_requests_spread_over_every_worker():
+    """Fewer requests than workers: the budget is the smallest that covers every block, down to
+    2-block pieces, so 16 requests of 32 blocks over 33 workers go in 16-block pieces (the old
+    budget: 18), two in 2-block pieces on 32 workers (old: 3), one stays in 2-block pieces (one-
+    block pieces were slower), a budget already below 2 blocks is kept (66 workers), and the
+    largest worker's cost never exceeds the old budget's, ceil(total / num_parts) + 5."""
+    for b, topk, parts, piece_blocks in ((16, 2048, 33, 16), (2, 2048, 33, 2), (1, 2048, 33, 2), (1, 2048, 66, 1),
+                                         (3, 640, 33, 2)):
+        q = jax.ShapeDtypeStruct((b, 2, 128, 576), jnp.bfloat16)
+        idx = jax.ShapeDtypeStruct((b, 2, topk), jnp.int32)
+        plan = jsm.plan_decode(q, idx, num_parts=parts)
+        sched = np.asarray(plan.sched)
+        pieces = [int(r[3] - r[2]) for r in sched if r[0] == r[1]]
+        assert max(pieces) == piece_blocks, (b, topk, parts, pieces)
+    rng = np.random.default_rng()
+    for _ in range(30):
+        parts = int(rng.integers(2, 140))
+        b = int(rng.integers(1, parts))
+        topk = int(rng.integers(1, 3000))
+        lens = rng.integers(0, topk + 1, size=b).astype(np.int32)
+        q = jax.ShapeDtypeStruct((b, 1, 16, 576), jnp.bfloat16)
+        idx = jax.ShapeDtypeStruct((b, 1, topk), jnp.int32)
+        plan = jsm.plan_decode(q, idx, topk_length=jnp.asarray(lens), num_parts=parts)
+        blocks = request_blocks(lens, topk, None, 0)
+        old_budget = -(-int(np.sum(blocks + 5)) // parts) + 5
+        sched = np.asarray(plan.sched)
+        for br, er, bb, eb in sched[:, :4]:
+            cost = sum((eb if r == er else blocks[r]) - (bb if r == br else 0) + 5 for r in range(br, er + 1))
+            assert cost <= old_budget, (b, topk, parts, cost, old_budget)
+
+
 def test_plan_covers_every_block():
     """Every block of every request is done exactly once, pieces numbered in order."""
     rng = np.random.default_rng()
