@@ -160,6 +160,44 @@ def test_few_heads_32_one_block_pieces():
     _check(case, plan=plan)
 
 
+def _mid_piece_growths(case, sm_scale):
+    """How often a block after a request's first moves the running maximum (its scaled maximum, base 2,
+    above the lazily moved one by more than 8, kLazyRescale) and how often not, over every (request,
+    query row, head) of a case with only a main list; blocks past a request's length do not count."""
+    tokens = np.asarray(reference.dequantized_tokens(case["kv_cache"]).astype(jnp.float32))
+    idx = np.asarray(case["indices"])
+    lengths = np.asarray(case["topk_length"])
+    valid = (idx >= 0) & (idx < len(tokens)) & (np.arange(idx.shape[-1]) < lengths[:, None, None])
+    logits = np.einsum("bshd,bstd->bsht", np.asarray(case["q"].astype(jnp.float32)),
+                       tokens[np.clip(idx, 0, len(tokens) - 1)]) * (sm_scale * np.log2(np.e))
+    logits = np.where(valid[:, :, None, :], logits, -np.inf)
+    m = np.full(logits.shape[:3], -1e30)
+    grows = stays = 0
+    for k in range(-(-idx.shape[-1] // 64)):
+        run = (k < -(-lengths // 64))[:, None, None]
+        grow = (logits[..., 64 * k:64 * k + 64].max(-1) > m + 8) & run
+        if k > 0:
+            grows += int(grow.sum())
+            stays += int((run & ~grow).sum())
+        m = np.where(grow, logits[..., 64 * k:64 * k + 64].max(-1), m)
+    return grows, stays
+
+
+@pytest.mark.parametrize("fmt", [V32, MODEL1])
+@pytest.mark.parametrize("h_q", [16, 32], ids=head_id)
+def test_running_maximum_moves_within_a_piece(fmt, h_q):
+    """Logits spread ~30 wide (base 2, sm_scale 16x the usual): after a piece's first block the
+    running maximum often moves, which sends the few-heads kernels' warpgroup A from its vote
+    through the full reduction of each head's maximum, and as often stays. With the usual scale it
+    never moves after the first block, so the other tests run only the vote's skip there."""
+    case = soften(make_case(fresh_rng(), fmt, b=4, s_q=2, h_q=h_q, topk=640, page_size=64, num_blocks=48,
+                            with_lengths=True))
+    case["sm_scale"] = float(16 / np.sqrt(case["q"].shape[-1]))
+    grows, stays = _mid_piece_growths(case, case["sm_scale"])
+    assert grows > 0 and stays > 0, (grows, stays)
+    _check(case, plan=_plan(_on(case, GPU), num_parts=1), raw=True)  # one worker: whole requests, 4+ blocks
+
+
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
 @pytest.mark.parametrize("s_q", [1, 2, 3, 4])
 @pytest.mark.parametrize("h_q", [16, 64], ids=head_id)
