@@ -32,11 +32,13 @@ from tests.utils import (
     conformance_kwargs,
     load_conformance,
     make_case,
+    np_dequantize_kv,
     np_logit_sensitivity,
     np_sparse_mla_decode,
     request_blocks,
     soften,
     stale_lengths_case,
+    valid_mask,
 )
 
 
@@ -164,22 +166,22 @@ def _mid_piece_growths(case, sm_scale):
     """How often a block after a request's first moves the running maximum (its scaled maximum, base 2,
     above the lazily moved one by more than 8, kLazyRescale) and how often not, over every (request,
     query row, head) of a case with only a main list; blocks past a request's length do not count."""
-    tokens = np.asarray(reference.dequantized_tokens(case["kv_cache"]).astype(jnp.float32))
+    tokens = np_dequantize_kv(np.asarray(case["kv_cache"])).reshape(-1, case["q"].shape[-1])
     idx = np.asarray(case["indices"])
     lengths = np.asarray(case["topk_length"])
-    valid = (idx >= 0) & (idx < len(tokens)) & (np.arange(idx.shape[-1]) < lengths[:, None, None])
     logits = np.einsum("bshd,bstd->bsht", np.asarray(case["q"].astype(jnp.float32)),
                        tokens[np.clip(idx, 0, len(tokens) - 1)]) * (sm_scale * np.log2(np.e))
-    logits = np.where(valid[:, :, None, :], logits, -np.inf)
+    logits = np.where(valid_mask(idx, lengths, len(tokens))[:, :, None, :], logits, -np.inf)
     m = np.full(logits.shape[:3], -1e30)
     grows = stays = 0
     for k in range(-(-idx.shape[-1] // 64)):
         run = (k < -(-lengths // 64))[:, None, None]
-        grow = (logits[..., 64 * k:64 * k + 64].max(-1) > m + 8) & run
+        block_max = logits[..., 64 * k:64 * k + 64].max(-1)
+        grow = (block_max > m + 8) & run
         if k > 0:
             grows += int(grow.sum())
             stays += int((run & ~grow).sum())
-        m = np.where(grow, logits[..., 64 * k:64 * k + 64].max(-1), m)
+        m = np.where(grow, block_max, m)
     return grows, stays
 
 

@@ -22,7 +22,7 @@ from tests.utils.np_formats import (
     np_quantize_tokens,
     np_rows_to_cache,
 )
-from tests.utils.np_reference import np_logit_sensitivity, np_sparse_mla_decode
+from tests.utils.np_reference import np_logit_sensitivity, np_sparse_mla_decode, valid_mask
 from tests.utils.paths import REPO_ROOT
 from tests.utils.tolerances import (
     LSE_ATOL,
