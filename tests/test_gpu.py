@@ -186,12 +186,13 @@ def _mid_piece_growths(case, sm_scale):
 
 
 @pytest.mark.parametrize("fmt", [V32, MODEL1])
-@pytest.mark.parametrize("h_q", [16, 32], ids=head_id)
+@pytest.mark.parametrize("h_q", [16, 32, 64, 128], ids=head_id)
 def test_running_maximum_moves_within_a_piece(fmt, h_q):
     """Logits spread ~30 wide (base 2, sm_scale 16x the usual): after a piece's first block the
-    running maximum often moves, which sends the few-heads kernels' warpgroup A from its vote
-    through the full reduction of each head's maximum, and as often stays. With the usual scale it
-    never moves after the first block, so the other tests run only the vote's skip there."""
+    running maximum often moves, which sends the kernels' vote on it (the few-heads kernels'
+    warpgroup vote, the 64-row kernel's warp vote) into the full reduction and the rescale, and
+    as often stays. With the usual scale it never moves after the first block, so the other tests
+    run only the vote's skip there."""
     case = soften(make_case(fresh_rng(), fmt, b=4, s_q=2, h_q=h_q, topk=640, page_size=64, num_blocks=48,
                             with_lengths=True))
     case["sm_scale"] = float(16 / np.sqrt(case["q"].shape[-1]))
