@@ -20,6 +20,7 @@ import jax_sparse_mla as jsm
 from jax_sparse_mla import reference
 from tests import test_batch_invariant as inv
 from tests.utils import (
+    BLOCK_ENTRIES,
     fresh_rng,
     OUT_ATOL,
     OUT_RTOL,
@@ -172,11 +173,12 @@ def _mid_piece_growths(case, sm_scale):
     logits = np.einsum("bshd,bstd->bsht", np.asarray(case["q"].astype(jnp.float32)),
                        tokens[np.clip(idx, 0, len(tokens) - 1)]) * (sm_scale * np.log2(np.e))
     logits = np.where(valid_mask(idx, lengths, len(tokens))[:, :, None, :], logits, -np.inf)
+    blocks = request_blocks(lengths, idx.shape[-1])
     m = np.full(logits.shape[:3], -1e30)
     grows = stays = 0
-    for k in range(-(-idx.shape[-1] // 64)):
-        run = (k < -(-lengths // 64))[:, None, None]
-        block_max = logits[..., 64 * k:64 * k + 64].max(-1)
+    for k in range(int(blocks.max())):
+        run = (k < blocks)[:, None, None]
+        block_max = logits[..., BLOCK_ENTRIES * k:BLOCK_ENTRIES * (k + 1)].max(-1)
         grow = (block_max > m + 8) & run
         if k > 0:
             grows += int(grow.sum())

@@ -10,7 +10,7 @@ and docs/numerics.md directly.
 from tests.utils.cases import SOFTEN_SHIFT, fresh_rng, make_case, random_keys, soften, stale_lengths_case
 from tests.utils.conformance import CONFORMANCE_DIR, conformance_files, conformance_kwargs, load_conformance
 from tests.utils.layouts import collectives, largest_divisor, mesh_layouts
-from tests.utils.schedule import request_blocks
+from tests.utils.schedule import BLOCK_ENTRIES, request_blocks
 from tests.utils.np_formats import (
     BF16,
     FP8,
