@@ -285,7 +285,9 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
   if prebuilt; then
     stamp "variants: building ${VARIANTS:-base}"
     rm -rf /tmp/variants  # (a warm machine keeps an earlier call's: only this call's count below)
-    for v in ${VARIANTS:-base}; do
+    # Each name once: a name listed twice (a bracketing "base ... base") is timed twice from
+    # one build (two builds into one directory at once corrupt it).
+    for v in $(tr ' ' '\n' <<<"${VARIANTS:-base}" | awk 'NF && !seen[$0]++'); do
       vf=${v//+/_and_}; dir=/tmp/variants/$vf
       mkdir -p "$dir/src"
       tar c --exclude=./build --exclude=./.anchor --exclude=./.git --exclude=./.whl . | tar x -C "$dir/src"
