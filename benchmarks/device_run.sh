@@ -31,6 +31,8 @@ build_tool() {
   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
     -I"$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")" -Iffi -o "$out" "$@"
 }
+# The patch files of variant $1 (benchmarks/patches/NAME.patch; "a+b": a then b; "base": none).
+patches_of() { [[ $1 == base ]] || tr '+' '\n' <<<"$1" | sed 's#.*#benchmarks/patches/&.patch#'; }
 # The smoke table's verdict in log $1, and whether a verdict line says every case passed.
 smoke_line() { grep SMOKE "$1" || echo "SMOKE crashed"; }
 smoke_passed() { [[ "$1" =~ SMOKE\ ([0-9]+)/([0-9]+) ]] && [[ ${BASH_REMATCH[1]} == ${BASH_REMATCH[2]} ]]; }
@@ -234,19 +236,31 @@ fi
 if has timeline; then  # CTA by CTA: when the decode kernel's CTAs start, end, and how long each phase takes (128 and 16 heads)
   # TIMELINE_MODES: the timing experiments to record (0 = the kernel as shipped; 1-4 as in
   # stage diag: with a role's work taken out, which spans of the others shrink).
-  for mode in ${TIMELINE_MODES:-0}; do
-    stamp "timeline mode $mode"
-    if build_tool /tmp/cta_timeline -DJSM_CTA_TIMELINE -DJSM_TIMING_EXPERIMENT=$mode benchmarks/micro/cta_timeline.cu \
-        ffi/cuda/decode_launch.cu >"$OUT/timeline_build.log" 2>&1; then
-      for h in ${TIMELINE_HEADS:-128 16}; do
-        for b in ${TIMELINE_BATCHES:-1 128}; do
-          echo "timing experiment $mode:"
-          timeout 60 /tmp/cta_timeline "$b" "$h" 2>&1
-        done | tee -a "$OUT/timeline.txt"
-      done
+  # TIMELINE_VARIANTS: patch stacks as in stage variants ("base a a+b"), each applied to the
+  # tree for its build of the tool and reverted: ~40 s a variant, where timing one with ncu
+  # costs ~80 (the timeline's launch time and phases are the b = 1 measure).
+  for v in ${TIMELINE_VARIANTS:-base}; do
+    applied=()
+    for patch in $(patches_of "$v"); do git apply "$patch" && applied=("$patch" "${applied[@]}") || break; done
+    if [[ ${#applied[@]} != $(patches_of "$v" | wc -l) ]]; then
+      note "timeline $v: does not apply"
     else
-      tail -20 "$OUT/timeline_build.log"; note "timeline mode $mode: build FAILED"
+      for mode in ${TIMELINE_MODES:-0}; do
+        stamp "timeline $v, mode $mode"
+        if build_tool /tmp/cta_timeline -DJSM_CTA_TIMELINE -DJSM_TIMING_EXPERIMENT=$mode benchmarks/micro/cta_timeline.cu \
+            ffi/cuda/decode_launch.cu >"$OUT/timeline_build.log" 2>&1; then
+          for h in ${TIMELINE_HEADS:-128 16}; do
+            for b in ${TIMELINE_BATCHES:-1 128}; do
+              echo "=== timeline $v, timing experiment $mode:"
+              timeout 60 /tmp/cta_timeline "$b" "$h" 2>&1
+            done | tee -a "$OUT/timeline.txt"
+          done
+        else
+          tail -20 "$OUT/timeline_build.log"; note "timeline $v, mode $mode: build FAILED"
+        fi
+      done
     fi
+    for patch in "${applied[@]}"; do git apply -R "$patch"; done  # newest first
   done
   note "timeline: $(grep -c 'CTAs worked' "$OUT/timeline.txt") batches recorded"
 fi
@@ -274,8 +288,6 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
   # there (benchmarks/variant_python.py); the tree itself is not touched. One build's time for
   # all of them instead of one each (~50 s a variant).
   [[ -f .anchor/ktime.sh && ${VARIANT_TIMER:-ktime} != ours ]] && python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1
-  # "a+b": patches a and b together, applied in that order
-  patches_of() { [[ $1 == base ]] || tr '+' '\n' <<<"$1" | sed 's#.*#benchmarks/patches/&.patch#'; }
   prebuilt() { [[ ${VARIANT_PREBUILD:-0} == 1 ]]; }
   if prebuilt && [[ ${VARIANT_TIMER:-ktime} != ours ]]; then
     # (ktime.sh times the library installed for the process: the tree's build)
