@@ -33,6 +33,15 @@ build_tool() {
 }
 # The patch files of variant $1 (benchmarks/patches/NAME.patch; "a+b": a then b; "base": none).
 patches_of() { [[ $1 == base ]] || tr '+' '\n' <<<"$1" | sed 's#.*#benchmarks/patches/&.patch#'; }
+# Applies variant $1's patches to the tree, recording them (newest first) in `applied`; when
+# one does not apply, reverts the others and fails. revert_variant undoes a successful one.
+apply_variant() {
+  applied=()
+  for patch in $(patches_of "$1"); do git apply "$patch" && applied=("$patch" "${applied[@]}") || break; done
+  [[ ${#applied[@]} == $(patches_of "$1" | wc -l) ]] && return 0
+  revert_variant; return 1
+}
+revert_variant() { for patch in "${applied[@]}"; do git apply -R "$patch"; done; applied=(); }
 # The smoke table's verdict in log $1, and whether a verdict line says every case passed.
 smoke_line() { grep SMOKE "$1" || echo "SMOKE crashed"; }
 smoke_passed() { [[ "$1" =~ SMOKE\ ([0-9]+)/([0-9]+) ]] && [[ ${BASH_REMATCH[1]} == ${BASH_REMATCH[2]} ]]; }
@@ -240,9 +249,7 @@ if has timeline; then  # CTA by CTA: when the decode kernel's CTAs start, end, a
   # tree for its build of the tool and reverted: ~40 s a variant, where timing one with ncu
   # costs ~80 (the timeline's launch time and phases are the b = 1 measure).
   for v in ${TIMELINE_VARIANTS:-base}; do
-    applied=()
-    for patch in $(patches_of "$v"); do git apply "$patch" && applied=("$patch" "${applied[@]}") || break; done
-    if [[ ${#applied[@]} != $(patches_of "$v" | wc -l) ]]; then
+    if ! apply_variant "$v"; then
       note "timeline $v: does not apply"
     else
       for mode in ${TIMELINE_MODES:-0}; do
@@ -259,8 +266,8 @@ if has timeline; then  # CTA by CTA: when the decode kernel's CTAs start, end, a
           tail -20 "$OUT/timeline_build.log"; note "timeline $v, mode $mode: build FAILED"
         fi
       done
+      revert_variant
     fi
-    for patch in "${applied[@]}"; do git apply -R "$patch"; done  # newest first
   done
   note "timeline: $(grep -c 'CTAs worked' "$OUT/timeline.txt") batches recorded"
 fi
@@ -324,13 +331,7 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
       py=(python3 benchmarks/variant_python.py "/tmp/variants/$vf/site")
     else
       py=(python3)
-      for patch in $(patches_of "$v"); do
-        git apply "$patch" && applied=("$patch" "${applied[@]}") || break
-      done
-      if [[ ${#applied[@]} != $(patches_of "$v" | wc -l) ]]; then
-        for patch in "${applied[@]}"; do git apply -R "$patch"; done
-        note "$v: does not apply"; continue
-      fi
+      apply_variant "$v" || { note "$v: does not apply"; continue; }
       # Rebuild what this variant and the last one (reverted) changed: a patch of .cu files only
       # (the combine's) recompiles those alone; one that touches a header, everything (the
       # header dependencies of the CUDA sources are not trusted to be tracked).
@@ -378,7 +379,7 @@ s.time_ours(shape, bench.make_inputs(shape, max(bench._sets_for(shape), bench.CA
     else
       note "$v: build FAILED (build_$vf.log)"
     fi
-    for patch in "${applied[@]}"; do git apply -R "$patch"; done  # newest first
+    revert_variant
   done
 fi
 
