@@ -66,6 +66,12 @@ __device__ __forceinline__ void fence_mbarrier_init_cluster() {
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 
+// The end of a cluster's life, split the same way: a thread arrives (release: its remote
+// arrivals and stores into the peer are performed before) once it is done touching the peer,
+// and waits before it exits, so that no CTA leaves while its peer may still write into it.
+// Arriving before the output stores keeps their drain out of the release's memory barrier.
+__device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+
 // Every thread of every CTA of the cluster (all warps converged).
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");

@@ -832,6 +832,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     }
     span_add(t == 0, kSpanQKPV, span_t);
     release_tile<kCluster>(sb + L::kEmpty + 8 * buf, peer + L::kEmpty + 8 * buf);
+    if (kCluster > 1 && nx.r > w.end_req) cluster_arrive_release();  // done with the peer
 
     first = last;
     if (last) {
@@ -923,6 +924,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
     }
     span_add(t == 0, kSpanPV, span_t);
     release_tile<kCluster>(sb + L::kEmpty + 8 * buf, peer + L::kEmpty + 8 * buf);
+    if (kCluster > 1 && nx.r > w.end_req) cluster_arrive_release();  // done with the peer
 
     if (last) {
       span_t = span_clock();
@@ -979,6 +981,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
     set_registers<kRegsProducer>();
     if (kCluster > 1) {
       produce_pair<F, kAligned>(p, w, s, sb, peer, smem);
+      cluster_arrive_release();  // its last stores into the peer are issued
     } else {
       produce_solo<F, kAligned, 2>(p, w, s, sb, smem, 0, threadIdx.x - kConsumers);
     }
@@ -992,8 +995,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
     consume_pv<F, kCluster>(p, w, s, hg, sb, peer, smem);
     stamp(threadIdx.x == kWarpgroup, kStampPVDone);
   }
-  // The peer still writes into this CTA's tiles and arrives on its barriers until it is done.
-  if (kCluster > 1) cluster_sync();
+  // Every thread arrived when it was done with the peer (each role above): the peer may write
+  // into this CTA's tiles and arrive on its barriers until then.
+  if (kCluster > 1) cluster_wait();
   stamp(threadIdx.x == 0, kStampExit);
 }
 
