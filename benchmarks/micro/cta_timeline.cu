@@ -127,6 +127,10 @@ int main(int argc, char** argv) {
   } phases[] = {
       {"entry -> plan's work item read", tl::kStampEntry, tl::kStampWork},
       {"work item -> barriers + cluster sync", tl::kStampWork, tl::kStampInit},
+      {"init -> WG0's registers raised", tl::kStampInit, tl::kStampQKStart},
+      {"WG0's registers -> Q's copies issued", tl::kStampQKStart, tl::kStampQIssued},
+      {"Q's copies issued -> cluster wait passed", tl::kStampQIssued, tl::kStampQClusterWaited},
+      {"cluster wait -> Q landed", tl::kStampQClusterWaited, tl::kStampQ},
       {"init -> Q in shared memory (WG0)", tl::kStampInit, tl::kStampQ},
       {"init -> producer's first rows requested", tl::kStampInit, tl::kStampProducerIssued},
       {"init -> producer's first block stored", tl::kStampInit, tl::kStampProducerStored},

@@ -20,6 +20,9 @@ enum Stamp {
   kStampEntry,          // thread 0, first instruction
   kStampWork,           // thread 0, the plan's work item read (idle CTAs stop before this)
   kStampInit,           // thread 0, barriers initialized and the cluster synchronized
+  kStampQKStart,        // WG0, its registers raised (setmaxnreg), before the first cursor
+  kStampQIssued,        // WG0, the first piece's Q copies issued
+  kStampQClusterWaited, // WG0, past its cluster wait (pairs; alone: just after kStampQIssued)
   kStampQ,              // WG0, Q in shared memory (first piece)
   kStampFirstTile,      // WG0, the first K tile complete
   kStampStoreQK,        // WG0, the last piece's output stores begin

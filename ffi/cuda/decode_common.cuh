@@ -2,6 +2,7 @@
 // a list entry's bytes are, and the FP8 -> bf16 rule (kv_format.h) on packed registers.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -35,6 +36,10 @@ constexpr bool kSkipLoads = kTimingExperiment == 1 || kTimingExperiment == 3 || 
 constexpr bool kSkipMma = kTimingExperiment == 2 || kTimingExperiment == 3;
 
 struct Params {
+  // Q as a 3-d bf16 tensor {d_qk, h_q, batch * s_q} for the 64-row kernels' bulk copies
+  // (decode_kernel.cuh, load_q), 128-byte swizzled boxes of 64 x 64; encoded by the launch
+  // (decode_launch.cu). First: the map needs 64-byte alignment.
+  CUtensorMap q_map;
   const uint16_t* q;
   const uint8_t* kv;
   const int32_t* indices;

@@ -8,7 +8,8 @@
 //     of two shared buffers, then signals the buffer's `full` mbarrier. It runs ahead of
 //     the stores: later blocks' bytes are requested into registers or L2 and their
 //     indices loaded before the current block is dequantized.
-//   warpgroup 0: S = Q K^T (wgmma, both from smem), online softmax in base 2, P rounded
+//   warpgroup 0: S = Q K^T (wgmma, both from smem; Q brought by the copy engine, one bulk
+//     tensor copy per 64 columns, at each piece's start), online softmax in base 2, P rounded
 //     to bf16 (its A fragments: in registers, and a copy in smem for WG1),
 //     O[:, 0:256] = alpha O + P V with P from registers.
 //   warpgroup 1: loads WG0's fragments of P and alpha into registers (freeing them for
@@ -48,11 +49,16 @@ constexpr int kProducers = 128;
 // Registers per thread after reallocation; the launch gives 168 (65536 / 384, a multiple
 // of 8), so the three counts sum to at most 3 * 168 = 504 (`.inc` waits for registers the
 // others released). ptxas allocates each role's code within its own count.
-constexpr int kRegsQK = 200;  // at 192 ptxas put the row sums before P's hand-over: 4% slower
-constexpr int kRegsPV = 176;  // O (128) and P's A fragments (16) for an RS product
-constexpr int kRegsProducer = 128;  // its code spills no more here than at 136
+// WG0: at 192 ptxas put the row sums before P's hand-over in the pair kernel (4% slower).
+// The producer of a CTA alone converts two entries a thread: at 128 it spilled 156 bytes in
+// its loop (V32, once Q came by the copy engine; h64 +33%), so there WG0 gives it 8.
+constexpr int regs_qk(int cluster) { return cluster > 1 ? 200 : 192; }
+constexpr int kRegsPV = 176;  // O (128) and P's A fragments (16) for an RS product; at 168 ptxas serializes them
+constexpr int regs_producer(int cluster) { return cluster > 1 ? 128 : 136; }
 constexpr int kRegsLaunch = 168;
-static_assert(kRegsQK + kRegsPV + kRegsProducer <= 3 * kRegsLaunch, "setmaxnreg counts over the launch's registers");
+static_assert(regs_qk(1) + kRegsPV + regs_producer(1) <= 3 * kRegsLaunch &&
+                  regs_qk(2) + kRegsPV + regs_producer(2) <= 3 * kRegsLaunch,
+              "setmaxnreg counts over the launch's registers");
 
 // This warpgroup's registers to N: `.inc` above the launch's count, `.dec` below (the
 // other way round is an illegal instruction).
@@ -68,7 +74,6 @@ __device__ __forceinline__ void set_registers() {
 constexpr int kBarPReady = 1;    // WG0 -> WG1: P and alpha of this block are in smem
 constexpr int kBarPFree = 2;     // WG1 -> WG0: done reading them
 constexpr int kBarPieceEnd = 3;  // both: the final row factors are in smem
-constexpr int kBarQReady = 4;    // WG0: every thread's Q copies have landed
 
 // The byte layouts of common/kv_format.h as the producer reads them: 64-byte spans of
 // codes (16 bytes per thread of a quad), each inside one scale tile.
@@ -88,13 +93,17 @@ struct Fmt {
 constexpr int kStagePitch = kDimV / 2 * 2 + 16;
 static_assert(kStagePitch % 16 == 0, "bulk copies need 16-byte aligned rows");
 
-// Shared memory. Q, the two K tiles and P use the interleaved operand layout of
-// wgmma.cuh: element (row, col) at (col / 8) * 64 * 16 + row * 16 + (col % 8) * 2.
+// Shared memory. The two K tiles and P use the interleaved operand layout of wgmma.cuh:
+// element (row, col) at (col / 8) * 64 * 16 + row * 16 + (col % 8) * 2. Q is in 64-column
+// slices of 8 KB (kQSlice), each in the 128-byte swizzle layout (desc_k_major_sw128), as
+// its bulk tensor copies write it; the slices need 1024-byte alignment, which offset 0 of
+// the dynamic shared memory has (the kernel declares no static shared memory).
 template <KVFormat F>
 struct Smem {
   static constexpr int kGroupStride = kRows * 16;  // bytes per column group (64 rows)
   static constexpr int kTile = Fmt<F>::kDqk * kRows * 2;
   static constexpr int kQ = 0;
+  static constexpr int kQSlice = 64 * kRows * 2;  // 64 columns of Q
   static constexpr int kK = kQ + kTile;  // two buffers
   static constexpr int kP = kK + 2 * kTile;
   static constexpr int kAlpha = kP + kTokens * kRows * 2;  // 64 floats
@@ -102,7 +111,9 @@ struct Smem {
   static constexpr int kValid = kFinal + 2 * kRows * 4;    // 2 x 8 words: bits of entries 8 k .. 8 k + 7
   static constexpr int kFull = kValid + 2 * 8 * 4;         // 2 mbarriers
   static constexpr int kEmpty = kFull + 2 * 8;             // 2 mbarriers
-  static constexpr int kBytes = kEmpty + 2 * 8;
+  static constexpr int kQFull = kEmpty + 2 * 8;            // 1 mbarrier: Q's copies landed
+  static constexpr int kBytes = kQFull + 8;
+  static_assert(kQ % 1024 == 0 && Fmt<F>::kDqk % 64 == 0, "Q's swizzled slices");
   static_assert(kBytes <= 232448, "shared memory over the sm_90 per-block limit");
   static_assert(2 * kRows * kStagePitch <= 2 * kTile, "the K tiles hold O staged");
   static_assert(kValid % 16 == 0, "valid words are read as 16-byte vectors");
@@ -427,13 +438,16 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
 
 // Thread 0 initializes both buffers' `full` barriers (`full`, `full` + 8: one arrival per
 // producer thread) and `empty` barriers (one per consumer warp, of both CTAs in a pair).
-__device__ __forceinline__ void init_tile_barriers(uint32_t full, uint32_t empty, int producers, int consumer_warps) {
+__device__ __forceinline__ void init_tile_barriers(uint32_t full, uint32_t empty, int producers, int consumer_warps,
+                                                   uint32_t q_full) {
   if (threadIdx.x != 0) return;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     mbar_init(full + 8 * i, producers);
     mbar_init(empty + 8 * i, consumer_warps);
   }
+  mbar_init(q_full, 1);
+  fence_mbarrier_init_cluster();  // (alone too: the copy engine completes q_full)
 }
 
 // Waits until buffer `buf`'s tile is complete (in a pair, with the peer's half), then
@@ -457,30 +471,28 @@ __device__ __forceinline__ void release_tile(uint32_t bar, uint32_t peer_bar) {
   __syncwarp();
 }
 
-// Q rows of heads h0 .. h0 + kQRows - 1 for (request r, query row s), in the interleaved
-// K-major operand layout (8-column groups kQRows * 16 bytes apart); rows past h_q are
-// zeros. Issued by one warpgroup's 128 threads; completion is awaited before the next QK.
-template <KVFormat F, int kQRows = kRows>
-__device__ __forceinline__ void load_q(const Params& p, int r, int s, int h0, uint32_t q_s, int t) {
-  constexpr int kGroups = Fmt<F>::kDqk / 8;
-  const int64_t base = (static_cast<int64_t>(r) * p.s_q + s) * p.h_q;
-  for (int id = t; id < kQRows * kGroups; id += kWarpgroup) {
-    const int row = id % kQRows;
-    const int g = id / kQRows;
-    const int h = h0 + row;
-    const bool ok = h < p.h_q;
-    const uint16_t* src = ok ? p.q + (base + h) * Fmt<F>::kDqk + 8 * g : p.q;
-    cp_async_16(q_s + g * kQRows * 16 + row * 16, src, ok ? 16u : 0u);
-  }
-  cp_async_commit();
-}
-
-// Waits for this thread's Q copies (load_q) and makes the warpgroup's visible to its
-// wgmma reads (named barrier `bar` over the warpgroup).
-__device__ __forceinline__ void await_q(int bar) {
-  cp_async_wait_all();
-  fence_proxy_async();
-  named_bar_sync(bar, kWarpgroup);
+// Q rows of heads h0 .. h0 + 63 for (request r, query row s): one bulk tensor copy per
+// 64-column slice (kQSlice bytes, swizzled), all issued by thread 0 of WG0 (t: the thread's
+// index in the warpgroup), which also arms the mbarrier `bar` with their bytes: its phase
+// flips once every slice has landed. Rows past h_q lie outside the map and land as zeros.
+// The copy engine reads Q, so its loads do not queue with the producer's in the load/store
+// unit (b = 1: Q in shared memory 4.7 -> 1.1 us after the CTA's start, NOTES session 34).
+// Issuing from one thread, not a lane per slice, is a register-allocation choice: with lanes,
+// ptxas spilled ~100 bytes in the consumers' loops of the CTA-alone kernels. `p` must be the
+// kernel's __grid_constant__ parameter: the copies read the map where the launch put it.
+template <KVFormat F>
+__device__ __forceinline__ void load_q(const Params& p, int r, int s, int h0, uint32_t q_s, uint32_t bar, int t) {
+  constexpr int kSlices = Fmt<F>::kDqk / 64;
+  if (t != 0) return;
+  mbar_arrive_expect_tx(bar, kSlices * Smem<F>::kQSlice);
+  const uint64_t map = reinterpret_cast<uint64_t>(&p.q_map);
+#pragma unroll
+  for (int i = 0; i < kSlices; ++i)
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(q_s + i * Smem<F>::kQSlice),
+        "l"(map), "r"(64 * i), "r"(h0), "r"(r * p.s_q + s), "r"(bar)
+        : "memory");
 }
 
 struct PieceOut {
@@ -697,13 +709,16 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
   uint4* p_frag = reinterpret_cast<uint4*>(smem + L::kP);  // P's A fragments for WG1
   const float scale = p.scale_log2;
 
+  stamp(t == 0, kStampQKStart);
   Cursor cur;
   cursor_enter(cur, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
-  load_q<F>(p, cur.r, s, hg * kRows, sb + L::kQ, t);
+  load_q<F>(p, cur.r, s, hg * kRows, sb + L::kQ, sb + L::kQFull, t);
+  stamp(t == 0, kStampQIssued);
   if (kCluster > 1) cluster_wait();  // (decode_kernel: Q's copies went out before it)
+  stamp(t == 0, kStampQClusterWaited);
   bool q_pending = true;
   bool first = true;  // first block of a piece
-  int parity = 0;     // piece parity (final_s buffer)
+  int parity = 0;     // piece parity (final_s buffer; kQFull's phase: one Q a piece)
   float o[128];
   zero(o);
   float m[2] = {kInitMax, kInitMax};
@@ -717,7 +732,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     const uint32_t k_s = st.k_tile;
 
     if (q_pending) {
-      await_q(kBarQReady);
+      mbar_wait(sb + L::kQFull, parity);  // (written by the copy engine: no proxy fence for wgmma)
       q_pending = false;
       stamp(t == 0 && n == 0, kStampQ);
     }
@@ -734,12 +749,12 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     float sacc[32];
     if (!kSkipMma) {
       wgmma_fence();
-      const uint64_t dq = desc_k_major(sb + L::kQ, kRows);
+      const uint64_t dq = desc_k_major_sw128(sb + L::kQ);
       const uint64_t dk = desc_k_major(k_s, kTokens);
       wgmma_m64n64k16_ss_first(sacc, dq, dk);
 #pragma unroll
-      for (int ks = 1; ks < Fmt<F>::kDqk / 16; ++ks)
-        wgmma_m64n64k16_ss(sacc, dq + static_cast<uint64_t>(ks * 2 * L::kGroupStride / 16),
+      for (int ks = 1; ks < Fmt<F>::kDqk / 16; ++ks)  // Q: slice ks / 4, 32 bytes a k-step inside it
+        wgmma_m64n64k16_ss(sacc, dq + static_cast<uint64_t>(((ks / 4) * L::kQSlice + (ks % 4) * 32) / 16),
                            dk + static_cast<uint64_t>(ks * 2 * L::kGroupStride / 16));
       wgmma_commit();
       wgmma_wait<0>();
@@ -750,7 +765,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     span_add(t == 0, kSpanQK, span_t);
     span_t = span_clock();
     if (last && nx.r <= w.end_req) {  // Q is free: fetch the next request's
-      load_q<F>(p, nx.r, s, hg * kRows, sb + L::kQ, t);
+      load_q<F>(p, nx.r, s, hg * kRows, sb + L::kQ, sb + L::kQFull, t);
       q_pending = true;
     }
 
@@ -950,7 +965,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
 // kCluster = 2: launched in clusters of two CTAs along the head-group axis (grid z even).
 // kAligned: every token row of the caches is 16-byte aligned (caches_aligned16).
 template <KVFormat F, int kCluster, bool kAligned>
-__global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 1) decode_kernel(const __grid_constant__ Params p) {
   using L = Smem<F>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int worker = blockIdx.x;
@@ -963,8 +978,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
   stamp(threadIdx.x == 0, kStampWork);
 
   const uint32_t sb = smem_u32(smem);
-  init_tile_barriers(sb + L::kFull, sb + L::kEmpty, kProducers, kConsumerWarps * kCluster);
-  if (kCluster > 1 && threadIdx.x == 0) fence_mbarrier_init_cluster();
+  init_tile_barriers(sb + L::kFull, sb + L::kEmpty, kProducers, kConsumerWarps * kCluster, sb + L::kQFull);
   uint32_t peer = 0;
   if (kCluster > 1) {
     peer = peer_smem(sb, cluster_ctarank() ^ 1);
@@ -978,7 +992,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
   if (wg >= 2) {
-    set_registers<kRegsProducer>();
+    set_registers<regs_producer(kCluster)>();
     if (kCluster > 1) {
       produce_pair<F, kAligned>(p, w, s, sb, peer, smem);
       cluster_arrive_release();  // its last stores into the peer are issued
@@ -987,7 +1001,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const Params p) {
     }
     stamp(threadIdx.x == kConsumers, kStampProducerDone);
   } else if (wg == 0) {
-    set_registers<kRegsQK>();
+    set_registers<regs_qk(kCluster)>();
     consume_qk<F, kCluster>(p, w, s, hg, sb, peer, smem);
     stamp(threadIdx.x == 0, kStampQKDone);
   } else {

@@ -2,7 +2,12 @@
 // clusters of two CTAs when every cluster is resident at once.
 #include <algorithm>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
+
+#include <atomic>
+#include <string>
 
 #include "cuda/decode_kernel.cuh"
 #include "cuda/decode_small_rs.cuh"
@@ -110,6 +115,36 @@ ffi::Error launch_variant(const DecodeProblem& dp, const Params& p, bool pairs, 
   return check_launch("decode_kernel (cluster of 2)");
 }
 
+// Params::q_map for the 64-row kernels: Q as {d_qk, h_q, batch * s_q} bf16, boxes of 64
+// columns x 64 heads in the 128-byte swizzle (decode_kernel.cuh, load_q). The driver's
+// encoder is looked up once through the runtime (the library links no driver symbols).
+ffi::Error encode_q_map(const DecodeProblem& dp, CUtensorMap* map) {
+  static std::atomic<void*> encoder{nullptr};
+  void* fn = encoder.load(std::memory_order_acquire);
+  if (fn == nullptr) {
+    cudaDriverEntryPointQueryResult found;
+    const cudaError_t e =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr)
+      return cuda_failure("cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)", e);
+    encoder.store(fn, std::memory_order_release);
+  }
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(dp.d_qk), static_cast<cuuint64_t>(dp.h_q),
+                              static_cast<cuuint64_t>(dp.batch) * dp.s_q};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(dp.d_qk) * 2,
+                                 static_cast<cuuint64_t>(dp.h_q) * dp.d_qk * 2};  // bytes, dims 1 and 2
+  const cuuint32_t box[3] = {64, kRows, 1};
+  const cuuint32_t element_steps[3] = {1, 1, 1};
+  const CUresult r = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)(
+      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<uint16_t*>(dp.q), dims, strides, box, element_steps,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "cuTensorMapEncodeTiled (Q) failed with CUresult " + std::to_string(static_cast<int>(r)));
+  return ffi::Error::Success();
+}
+
 template <KVFormat F>
 ffi::Error launch_format(const DecodeProblem& dp, cudaStream_t stream) {
   constexpr int kMaxDevices = 64;
@@ -121,7 +156,8 @@ ffi::Error launch_format(const DecodeProblem& dp, cudaStream_t stream) {
   DeviceSetup& d = dev >= 0 && dev < kMaxDevices ? setups[dev] : local;
   if (!d.done) JSM_RETURN_IF_ERROR(set_up_device<F>(d));
 
-  const Params p = make_params(dp);
+  Params p = make_params(dp);
+  if (!use_small_kernel(dp)) JSM_RETURN_IF_ERROR(encode_q_map(dp, &p.q_map));
   const int groups = (dp.h_q + kRows - 1) / kRows;
   // Pairs only when every cluster is resident at once: a second wave would cost a whole
   // kernel's time (the plan sizes workers for one CTA per SM).

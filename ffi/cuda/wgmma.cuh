@@ -22,6 +22,18 @@ __device__ __forceinline__ uint64_t desc_k_major(uint32_t smem_addr, uint32_t ro
   return static_cast<uint64_t>((smem_addr >> 4) & 0x3fff) | (lbo << 16) | (sbo << 32);
 }
 
+// Descriptor of a K-major operand in the 128-byte swizzle layout (what a bulk tensor copy
+// with CU_TENSOR_MAP_SWIZZLE_128B writes): 64 columns a row in 128 bytes, row r at r * 128,
+// its 16-byte units permuted by XOR with r % 8; 8-row groups 1024 bytes apart (SBO); LBO
+// unused. A k-step's 16 columns start 32 bytes further in the row (the hardware applies the
+// XOR to the address), so `smem_addr` may point inside a 1024-byte aligned atom.
+__device__ __forceinline__ uint64_t desc_k_major_sw128(uint32_t smem_addr) {
+  constexpr uint64_t kLbo = 1;
+  constexpr uint64_t kSbo = 1024 >> 4;
+  constexpr uint64_t kSwizzle128 = 1;
+  return static_cast<uint64_t>((smem_addr >> 4) & 0x3fff) | (kLbo << 16) | (kSbo << 32) | (kSwizzle128 << 62);
+}
+
 // Descriptor of a B operand stored N-major in the same layout: N runs along a column
 // group's 8 elements and then across column groups (SBO = rows * 16 bytes), K runs
 // down the rows (8 rows of a core matrix 16 bytes apart, the next 8 rows: LBO = 128).
