@@ -76,6 +76,17 @@ __device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t byt
                : "memory");
 }
 
+// Bulk tensor copy global -> this CTA's shared memory by the copy engine: the box of the
+// 3-d tensor map at `map` (a generic address: of a __grid_constant__ parameter) at coordinates
+// {c0, c1, c2} lands at `dst` and completes its bytes on the mbarrier `bar`.
+__device__ __forceinline__ void tensor_load_3d(uint32_t dst, uint64_t map, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }

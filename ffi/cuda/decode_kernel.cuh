@@ -487,12 +487,7 @@ __device__ __forceinline__ void load_q(const Params& p, int r, int s, int h0, ui
   mbar_arrive_expect_tx(bar, kSlices * Smem<F>::kQSlice);
   const uint64_t map = reinterpret_cast<uint64_t>(&p.q_map);
 #pragma unroll
-  for (int i = 0; i < kSlices; ++i)
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-        "[%5];\n" ::"r"(q_s + i * Smem<F>::kQSlice),
-        "l"(map), "r"(64 * i), "r"(h0), "r"(r * p.s_q + s), "r"(bar)
-        : "memory");
+  for (int i = 0; i < kSlices; ++i) tensor_load_3d(q_s + i * Smem<F>::kQSlice, map, 64 * i, h0, r * p.s_q + s, bar);
 }
 
 struct PieceOut {
