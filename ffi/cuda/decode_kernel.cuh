@@ -50,14 +50,12 @@ constexpr int kProducers = 128;
 // of 8), so the three counts sum to at most 3 * 168 = 504 (`.inc` waits for registers the
 // others released). ptxas allocates each role's code within its own count.
 // WG0: at 192 ptxas put the row sums before P's hand-over in the pair kernel (4% slower).
-// The producer of a CTA alone converts two entries a thread: at 128 it spilled 156 bytes in
-// its loop (V32, once Q came by the copy engine; h64 +33%), so there WG0 gives it 8.
-constexpr int regs_qk(int cluster) { return cluster > 1 ? 200 : 192; }
+// The producer at 128 holds one entry's raw bytes at a time (see produce_solo).
+constexpr int kRegsQK = 200;
 constexpr int kRegsPV = 176;  // O (128) and P's A fragments (16) for an RS product; at 168 ptxas serializes them
-constexpr int regs_producer(int cluster) { return cluster > 1 ? 128 : 136; }
+constexpr int kRegsProducer = 128;
 constexpr int kRegsLaunch = 168;
-static_assert(regs_qk(1) + kRegsPV + regs_producer(1) <= 3 * kRegsLaunch &&
-                  regs_qk(2) + kRegsPV + regs_producer(2) <= 3 * kRegsLaunch,
+static_assert(kRegsQK + kRegsPV + kRegsProducer <= 3 * kRegsLaunch,
               "setmaxnreg counts over the launch's registers");
 
 // This warpgroup's registers to N: `.inc` above the launch's count, `.dec` below (the
@@ -325,7 +323,7 @@ __device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int
     EntryIndex idx2[kEntries];
 #pragma unroll
     for (int e = 0; e < kEntries; ++e) {
-      load_token<F, kAligned>(cur[e], q4, raw[e]);
+      if (e == 0) load_token<F, kAligned>(cur[e], q4, raw[e]);  // the others after the wait (below)
       nxt[e] = resolve_entry<F>(idx[e], p);
       prefetch_token_l2<F, false>(nxt[e], q4);
       idx2[e] = load_entry(c, p, s, w.end_req, slot + 32 * e);
@@ -337,6 +335,10 @@ __device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int
     mbar_wait(sb + L::kEmpty + 8 * buf, ((n >> 1) & 1) ^ 1);
     span_add(t == 0 && part == 0, kSpanProducerWaitEmpty, span_t);
     span_t = span_clock();
+    // Entry 1's bytes are requested once the buffer is free: two entries' raw bytes and the
+    // conversions do not fit the producer's 128 registers (they spilled 156 bytes).
+#pragma unroll
+    for (int e = 1; e < kEntries; ++e) load_token<F, kAligned>(cur[e], q4, raw[e]);
 #pragma unroll
     for (int e = 0; e < kEntries; ++e) {
       store_token<F, false>(raw[e], kt, 0, 0, slot + 32 * e, q4);
@@ -987,7 +989,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const __grid_consta
 
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroup, 0);
   if (wg >= 2) {
-    set_registers<regs_producer(kCluster)>();
+    set_registers<kRegsProducer>();
     if (kCluster > 1) {
       produce_pair<F, kAligned>(p, w, s, sb, peer, smem);
       cluster_arrive_release();  // its last stores into the peer are issued
@@ -996,7 +998,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const __grid_consta
     }
     stamp(threadIdx.x == kConsumers, kStampProducerDone);
   } else if (wg == 0) {
-    set_registers<regs_qk(kCluster)>();
+    set_registers<kRegsQK>();
     consume_qk<F, kCluster>(p, w, s, hg, sb, peer, smem);
     stamp(threadIdx.x == 0, kStampQKDone);
   } else {
