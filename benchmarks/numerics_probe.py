@@ -130,7 +130,7 @@ def model_decode(case, *, plan=None, rounded_sums=False, lazy_rescale=LAZY_RESCA
     `plan`: a DecodePlan whose pieces the model follows (None: one piece a request); its block
     ranges are taken as they are, stale or not, and a request whose pieces do not cover its
     blocks exactly comes out NaN, as the kernel's checks make it.
-    `rounded_sums`: the row sums add the bf16 probabilities (benchmarks/patches/l_sums_rounded_p.patch);
+    `rounded_sums`: the row sums add the bf16 probabilities (the l_sums_rounded_p patch, in git at bcd3da4);
     `lazy_rescale=0`: the running maximum is the exact one."""
     q = np.asarray(jnp.asarray(case["q"]).astype(jnp.float32)).astype(np.float64)
     b, s_q, h_q, d_qk = q.shape
@@ -268,7 +268,7 @@ def main(argv=None):
     ap.add_argument("--format", choices=["V32", "MODEL1"], default="V32")
     ap.add_argument("--parts", type=int, default=1, help="plan workers (1: one piece per request, no combine)")
     ap.add_argument("--rounded-sums", action="store_true",
-                    help="model the kernel with benchmarks/patches/l_sums_rounded_p.patch applied")
+                    help="model the kernel with the l_sums_rounded_p patch (in git at bcd3da4) applied")
     ap.add_argument("--sweep", type=int, metavar="N", default=0,
                     help="no kernel: the stale-plan test's assertions on the model for seeds 0 .. N-1, "
                          "parts 3, 11 and 40 (CPU; ~1.5 s a seed)")
