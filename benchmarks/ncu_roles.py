@@ -9,10 +9,13 @@ out-of-line code the compiler put at the end).
     python3 benchmarks/ncu_roles.py ncu_source.csv                 # instructions, top stalls per region
     python3 benchmarks/ncu_roles.py ncu_source.csv --hot 1 --blocks 8192 --warps 4   # region 1's hottest lines
     python3 benchmarks/ncu_roles.py ncu_source.csv --counts --blocks 2560 --warps 4  # by how often a line runs
+    python3 benchmarks/ncu_roles.py ncu_source.csv --opcode MUFU   # what the MUFU lines of each region wait for
 
 --counts groups each region's lines by how many times a warp runs them a block (with --blocks
 and --warps right: ~1 or more = every block, 1 / blocks-a-request = once a request, and so on),
-so that code run once a piece or a CTA shows its share of the samples.
+so that code run once a piece or a CTA shows its share of the samples. --opcode sums the
+stall samples of the lines whose instruction starts with that opcode (`MUFU`: the softmax's
+exponentials), region by region, and says what share of the region's samples they hold.
 """
 import argparse
 import csv
@@ -49,6 +52,7 @@ def main():
     ap.add_argument("--blocks", type=float, default=1.0, help="divide instruction counts by this (blocks)")
     ap.add_argument("--warps", type=float, default=1.0, help="and by this (warps a role)")
     ap.add_argument("--counts", action="store_true", help="group each region's lines by their count a block")
+    ap.add_argument("--opcode", help="the stall reasons of the lines with this opcode (e.g. MUFU), per region")
     args = ap.parse_args()
     header, rows = read(args.csv)
     col = {h: i for i, h in enumerate(header)}
@@ -56,6 +60,9 @@ def main():
     per = args.blocks * args.warps
     if args.counts:
         print_counts(rows, col, per)
+        return
+    if args.opcode:
+        print_opcode(rows, col, stalls, args.opcode)
         return
     totals, lines = {}, []
     for region, r in by_region(rows):
@@ -76,6 +83,36 @@ def main():
         return
     for samples, n, text, top in sorted(lines, reverse=True)[:args.top]:
         print(f"{samples:6.0f} {n:8.2f}  {text[:70]:70s} " + " ".join(f"{s[6:]}:{v:.0f}" for v, s in top if v))
+
+
+def opcode_of(sass):
+    """The opcode of a SASS line, its predicate (`@P0`, `@!P1`) skipped: `MUFU.EX2` -> `MUFU.EX2`."""
+    words = sass.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0] if words else ""
+
+
+def print_opcode(rows, col, stalls, opcode):
+    """Per region: the lines whose opcode starts with `opcode`, their share of the region's stall
+    samples and their own top stall reasons."""
+    regions = {}
+    for region, r in by_region(rows):
+        g = regions.setdefault(region, {"all": 0.0, "lines": 0, "samples": 0.0, **{s: 0.0 for s in stalls}})
+        samples = number(r[col["Warp Stall Sampling (All Samples)"]])
+        g["all"] += samples
+        if opcode_of(r[1]).startswith(opcode):
+            g["lines"] += 1
+            g["samples"] += samples
+            for s in stalls:
+                g[s] += number(r[col[s]])
+    for k, g in regions.items():
+        if not g["lines"]:
+            continue
+        share = sorted(((g[s], s) for s in stalls), reverse=True)[:5]
+        print(f"region {k}: {g['lines']} {opcode} lines, samples {g['samples']:.0f} "
+              f"({g['samples'] / max(g['all'], 1) * 100:.0f}% of the region's) | "
+              + ", ".join(f"{s[6:]} {v / max(g['samples'], 1) * 100:.0f}%" for v, s in share if v))
 
 
 def print_counts(rows, col, per):

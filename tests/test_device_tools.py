@@ -123,6 +123,26 @@ def test_ncu_roles_groups_lines_by_how_often_they_run(tmp_path):
     assert [r[-1] for r in rows] == ["30", "40"]
 
 
+def test_ncu_roles_sums_an_opcodes_stalls_per_region(tmp_path):
+    # Region 1 has two MUFU lines (one predicated) and an FFMA; region 2 one MUFU line. The
+    # MUFU lines' samples and stall reasons are summed per region, the FFMA's left out.
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_mio_throttle", "stall_wait"]
+    lines = [["0", "USETMAXREG.TRY_ALLOC UP0, 0xc8", "0", "1", "0", "0"],
+             ["10", "MUFU.EX2 R1, R2", "30", "1", "20", "10"], ["20", "@!P0 MUFU.EX2 R3, R4", "10", "1", "10", "0"],
+             ["30", "FFMA R5, R6, R7, R8", "60", "1", "0", "60"],
+             ["40", "USETMAXREG.DEALLOC UP0, 0x80", "0", "1", "0", "0"], ["50", "MUFU.EX2 R9, R10", "5", "1", "0", "5"]]
+    csv_file = tmp_path / "ncu_source.csv"
+    csv_file.write_text('"Kernel Name","k",\n' + "\n".join(",".join(f'"{v}"' for v in row) for row in [header, *lines]))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/ncu_roles.py"), str(csv_file), "--opcode", "MUFU"],
+                          capture_output=True, text=True, check=True)
+    out = done.stdout.splitlines()
+    assert len(out) == 2
+    assert out[0].startswith("region 1: 2 MUFU lines, samples 40 (40% of the region's)")
+    assert "mio_throttle 75%" in out[0] and "wait 25%" in out[0]
+    assert out[1].startswith("region 2: 1 MUFU lines, samples 5 (100% of the region's)") and "wait 100%" in out[1]
+
+
 @pytest.mark.parametrize("rounded_sums", [False, True])
 @pytest.mark.parametrize("fmt", [jsm.KVFormat.V32, jsm.KVFormat.MODEL1])
 def test_numerics_model_meets_the_spec(fmt, rounded_sums):
