@@ -77,12 +77,17 @@ def main():
             lines.append((samples, number(r[col["Instructions Executed"]]) / per, r[1].strip(), top))
     if args.hot is None:
         for k, t in totals.items():
-            share = sorted(((t[s], s) for s in stalls), reverse=True)[:7]
             print(f"region {k}: instructions {t['instr'] / per:.4g}, samples {t['samples']:.0f} | "
-                  + ", ".join(f"{s[6:]} {v / max(t['samples'], 1) * 100:.0f}%" for v, s in share))
+                  + stall_shares(t, stalls, 7))
         return
     for samples, n, text, top in sorted(lines, reverse=True)[:args.top]:
         print(f"{samples:6.0f} {n:8.2f}  {text[:70]:70s} " + " ".join(f"{s[6:]}:{v:.0f}" for v, s in top if v))
+
+
+def stall_shares(t, stalls, n, skip_zero=False):
+    """The `n` largest stall reasons of totals `t` (with t["samples"]), as shares: "wait 25%, ..."."""
+    top = sorted(((t[s], s) for s in stalls), reverse=True)[:n]
+    return ", ".join(f"{s[6:]} {v / max(t['samples'], 1) * 100:.0f}%" for v, s in top if v or not skip_zero)
 
 
 def opcode_of(sass):
@@ -109,10 +114,8 @@ def print_opcode(rows, col, stalls, opcode):
     for k, g in regions.items():
         if not g["lines"]:
             continue
-        share = sorted(((g[s], s) for s in stalls), reverse=True)[:5]
         print(f"region {k}: {g['lines']} {opcode} lines, samples {g['samples']:.0f} "
-              f"({g['samples'] / max(g['all'], 1) * 100:.0f}% of the region's) | "
-              + ", ".join(f"{s[6:]} {v / max(g['samples'], 1) * 100:.0f}%" for v, s in share if v))
+              f"({g['samples'] / max(g['all'], 1) * 100:.0f}% of the region's) | " + stall_shares(g, stalls, 5, skip_zero=True))
 
 
 def print_counts(rows, col, per):
