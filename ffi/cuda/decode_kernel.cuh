@@ -643,10 +643,12 @@ __device__ __forceinline__ uint64_t block_valid_mask(const uint8_t* words) {
 }
 
 // Where a consumer's block n stands: the cursor of the next block, whether block n ends its
-// request's piece, and block n's buffer and K tile (the walk both consumers share).
+// request's piece and whether it ends the worker's walk, and block n's buffer and K tile (the
+// walk both consumers share).
 struct ConsumerStep {
   Cursor next;
   bool last;
+  bool walk_ends;
   int buf;
   uint32_t k_tile;
 };
@@ -659,6 +661,7 @@ __device__ __forceinline__ ConsumerStep consumer_step(const Params& p, const Wor
   st.next = cur;
   cursor_advance(st.next, p, w.end_req, w.end_block);
   st.last = st.next.r != cur.r;
+  st.walk_ends = st.next.r > w.end_req;
   st.buf = n & 1;
   st.k_tile = sb + L::kK + st.buf * L::kTile;
   return st;
@@ -761,7 +764,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     }
     span_add(t == 0, kSpanQK, span_t);
     span_t = span_clock();
-    if (last && nx.r <= w.end_req) {  // Q is free: fetch the next request's
+    if (last && !st.walk_ends) {  // Q is free: fetch the next request's
       load_q<F>(p, nx.r, s, hg * kRows, sb + L::kQ, sb + L::kQFull, t);
       q_pending = true;
     }
@@ -844,7 +847,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     }
     span_add(t == 0, kSpanQKPV, span_t);
     release_tile<kCluster>(sb + L::kEmpty + 8 * buf, peer + L::kEmpty + 8 * buf);
-    if (kCluster > 1 && nx.r > w.end_req) cluster_arrive_release();  // done with the peer
+    if (kCluster > 1 && st.walk_ends) cluster_arrive_release();  // done with the peer
 
     first = last;
     if (last) {
@@ -863,7 +866,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
       }
       named_bar_sync(kBarPieceEnd, kConsumers);  // (past it, both consumers are done with every tile)
       stamp(t == 0, kStampStoreQK);
-      if (stage_output(p, po, nx.r > w.end_req)) {
+      if (stage_output(p, po, st.walk_ends)) {
         store_o_staged(p, o, f, po, s, hg, r0, c, 0, smem + L::kK);
       } else {
         store_o(p, o, f, po, s, hg, r0, c, 0);
@@ -873,7 +876,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
       zero(o);
       parity ^= 1;
     }
-    if (nx.r > w.end_req) break;
+    if (st.walk_ends) break;
     cur = nx;
   }
 }
@@ -936,7 +939,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
     }
     span_add(t == 0, kSpanPV, span_t);
     release_tile<kCluster>(sb + L::kEmpty + 8 * buf, peer + L::kEmpty + 8 * buf);
-    if (kCluster > 1 && nx.r > w.end_req) cluster_arrive_release();  // done with the peer
+    if (kCluster > 1 && st.walk_ends) cluster_arrive_release();  // done with the peer
 
     if (last) {
       span_t = span_clock();
@@ -944,7 +947,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
       named_bar_sync(kBarPieceEnd, kConsumers);
       const float f[2] = {final_s[parity * kRows + r0], final_s[parity * kRows + r0 + 8]};
       stamp(t == 0, kStampStorePV);
-      if (stage_output(p, po, nx.r > w.end_req)) {
+      if (stage_output(p, po, st.walk_ends)) {
         store_o_staged(p, o, f, po, s, hg, r0, c, 256, smem + L::kK);
       } else {
         store_o(p, o, f, po, s, hg, r0, c, 256);
@@ -954,7 +957,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
       zero(o);
       parity ^= 1;
     }
-    if (nx.r > w.end_req) break;
+    if (st.walk_ends) break;
     cur = nx;
   }
 }
