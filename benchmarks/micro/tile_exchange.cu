@@ -37,7 +37,11 @@ constexpr int kThreads = 128 + 128 + 32;             // QK warpgroup, producers,
 constexpr int kBlocks = 256;                         // blocks exchanged a launch
 constexpr int kWarm = 16;                            // blocks before the clock starts
 
-enum Mode { kLocal = 1, kRemote = 2, kBulk = 4 };  // kBulk: the peer's half by bulk copies of the local one
+// kBulk: the peer's half by bulk copies of the local one. kRowALane: a warp's 32 lanes write 32
+// rows of one column group (512 contiguous bytes an instruction) instead of the kernel's 8 rows
+// of 4 groups (4 runs of 128 bytes): whether the SM-to-SM path moves whole runs faster
+// (session 37's ncu counted ~7.5 shared-memory wavefronts for each 512 bytes st.async brings in).
+enum Mode { kLocal = 1, kRemote = 2, kBulk = 4, kRowALane = 8 };
 
 struct Result {
   long long exchange_cycles;  // kBlocks - kWarm blocks
@@ -67,7 +71,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   const int t = threadIdx.x - 128;  // producers 0 .. 127, the consumer warp 128 .. 159
   if (t >= 0 && t < 128) {  // producer: the kernel's rows and column groups
     const int pw = t >> 5, lane = t & 31;
-    const int slot = 32 * rank + 8 * pw + (lane & 7);
+    const bool row_a_lane = mode & kRowALane;
+    const int slot = 32 * rank + (row_a_lane ? lane : 8 * pw + (lane & 7));
     const int q4 = lane >> 3;
     long long t0 = 0;
     const uint4 v = make_uint4(t, rank, 1, 2);
@@ -79,7 +84,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
       const uint32_t peer_full = peer + kBars + 8 * buf;
 #pragma unroll
       for (int k = 0; k < 18; ++k) {
-        const int g = k < 16 ? 8 * (k / 2) + 2 * q4 + (k & 1) : 64 + 4 * (k - 16) + q4;
+        const int g = row_a_lane ? 18 * pw + k : k < 16 ? 8 * (k / 2) + 2 * q4 + (k & 1) : 64 + 4 * (k - 16) + q4;
         if (mode & kLocal)
           asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + g * kGroupStride), "r"(v.x), "r"(v.y),
                        "r"(v.z), "r"(v.w)
@@ -166,9 +171,12 @@ int main() {
                {"peer writes only (st.async)", kRemote, false},
                {"both (the kernel's pattern)", kLocal | kRemote, false},
                {"local + bulk copies to the peer", kLocal | kBulk, false},
+               {"peer writes only, a row a lane", kRemote | kRowALane, false},
+               {"both, a row a lane", kLocal | kRemote | kRowALane, false},
                {"local writes + QK beside", kLocal, true},
                {"both + QK beside", kLocal | kRemote, true},
                {"local + bulk copies + QK beside", kLocal | kBulk, true},
+               {"both, a row a lane + QK beside", kLocal | kRemote | kRowALane, true},
                {"no writes, QK alone", 0, true}};
   for (const auto& c : cases) {
     cudaMemset(out, 0, ctas * sizeof(Result));
@@ -188,7 +196,7 @@ int main() {
     std::sort(per_block.begin(), per_block.end());
     std::sort(per_qk.begin(), per_qk.end());
     const int bytes = ((c.mode & kLocal) ? kHalf : 0) + ((c.mode & (kRemote | kBulk)) ? kHalf : 0);
-    std::printf("EXCHANGE %-30s %7.0f cycles a block (%5.1f B/cycle written by an SM)", c.name, per_block[ctas / 2],
+    std::printf("EXCHANGE %-34s %7.0f cycles a block (%5.1f B/cycle written by an SM)", c.name, per_block[ctas / 2],
                 bytes / per_block[ctas / 2]);
     if (!per_qk.empty()) std::printf(", QK %5.1f cycles a m64n64k16", per_qk[per_qk.size() / 2]);
     std::printf("\n");
