@@ -37,11 +37,11 @@ constexpr int kThreads = 128 + 128 + 32;             // QK warpgroup, producers,
 constexpr int kBlocks = 256;                         // blocks exchanged a launch
 constexpr int kWarm = 16;                            // blocks before the clock starts
 
-// kBulk: the peer's half by bulk copies of the local one. kRowALane: a warp's 32 lanes write 32
-// rows of one column group (512 contiguous bytes an instruction) instead of the kernel's 8 rows
-// of 4 groups (4 runs of 128 bytes): whether the SM-to-SM path moves whole runs faster
-// (session 37's ncu counted ~7.5 shared-memory wavefronts for each 512 bytes st.async brings in).
-enum Mode { kLocal = 1, kRemote = 2, kBulk = 4, kRowALane = 8 };
+// kBulk: the peer's half by bulk copies of the local one. Runs: the kernel's warp instruction
+// writes 8 rows of 4 column groups (4 runs of 128 bytes); kRuns256 writes 16 rows of 2 groups,
+// kRuns512 32 rows of one: whether the SM-to-SM path moves longer runs faster (session 37's
+// ncu counted ~7.5 shared-memory wavefronts for each 512 bytes st.async brings in, against 4).
+enum Mode { kLocal = 1, kRemote = 2, kBulk = 4, kRuns256 = 8, kRuns512 = 16 };
 
 struct Result {
   long long exchange_cycles;  // kBlocks - kWarm blocks
@@ -71,8 +71,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   const int t = threadIdx.x - 128;  // producers 0 .. 127, the consumer warp 128 .. 159
   if (t >= 0 && t < 128) {  // producer: the kernel's rows and column groups
     const int pw = t >> 5, lane = t & 31;
-    const bool row_a_lane = mode & kRowALane;
-    const int slot = 32 * rank + (row_a_lane ? lane : 8 * pw + (lane & 7));
+    const int rows = (mode & kRuns512) ? 32 : (mode & kRuns256) ? 16 : 8;  // a warp instruction's rows
+    const int slot = 32 * rank + (rows == 32 ? lane : rows == 16 ? 16 * (pw & 1) + (lane & 15) : 8 * pw + (lane & 7));
     const int q4 = lane >> 3;
     long long t0 = 0;
     const uint4 v = make_uint4(t, rank, 1, 2);
@@ -84,7 +84,10 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
       const uint32_t peer_full = peer + kBars + 8 * buf;
 #pragma unroll
       for (int k = 0; k < 18; ++k) {
-        const int g = row_a_lane ? 18 * pw + k : k < 16 ? 8 * (k / 2) + 2 * q4 + (k & 1) : 64 + 4 * (k - 16) + q4;
+        const int g = rows == 32   ? 18 * pw + k
+                      : rows == 16 ? 36 * (pw >> 1) + 18 * (lane >> 4) + k
+                      : k < 16     ? 8 * (k / 2) + 2 * q4 + (k & 1)
+                                   : 64 + 4 * (k - 16) + q4;
         if (mode & kLocal)
           asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + g * kGroupStride), "r"(v.x), "r"(v.y),
                        "r"(v.z), "r"(v.w)
@@ -171,12 +174,14 @@ int main() {
                {"peer writes only (st.async)", kRemote, false},
                {"both (the kernel's pattern)", kLocal | kRemote, false},
                {"local + bulk copies to the peer", kLocal | kBulk, false},
-               {"peer writes only, a row a lane", kRemote | kRowALane, false},
-               {"both, a row a lane", kLocal | kRemote | kRowALane, false},
+               {"peer writes only, 256-byte runs", kRemote | kRuns256, false},
+               {"peer writes only, 512-byte runs", kRemote | kRuns512, false},
+               {"both, 256-byte runs", kLocal | kRemote | kRuns256, false},
+               {"both, 512-byte runs", kLocal | kRemote | kRuns512, false},
                {"local writes + QK beside", kLocal, true},
                {"both + QK beside", kLocal | kRemote, true},
                {"local + bulk copies + QK beside", kLocal | kBulk, true},
-               {"both, a row a lane + QK beside", kLocal | kRemote | kRowALane, true},
+               {"both, 512-byte runs + QK beside", kLocal | kRemote | kRuns512, true},
                {"no writes, QK alone", 0, true}};
   for (const auto& c : cases) {
     cudaMemset(out, 0, ctas * sizeof(Result));
