@@ -40,7 +40,7 @@ constexpr int kWarm = 16;                            // blocks before the clock 
 // kBulk: the peer's half by bulk copies of the local one. Runs: the kernel's warp instruction
 // writes 8 rows of 4 column groups (4 runs of 128 bytes); kRuns256 writes 16 rows of 2 groups,
 // kRuns512 32 rows of one: whether the SM-to-SM path moves longer runs faster (session 37's
-// ncu counted ~7.5 shared-memory wavefronts for each 512 bytes st.async brings in, against 4).
+// ncu put up to ~7.5 shared-memory wavefronts on each 512 bytes st.async brings in, against 4).
 enum Mode { kLocal = 1, kRemote = 2, kBulk = 4, kRuns256 = 8, kRuns512 = 16 };
 
 struct Result {
@@ -181,6 +181,7 @@ int main() {
                {"local writes + QK beside", kLocal, true},
                {"both + QK beside", kLocal | kRemote, true},
                {"local + bulk copies + QK beside", kLocal | kBulk, true},
+               {"both, 256-byte runs + QK beside", kLocal | kRemote | kRuns256, true},
                {"both, 512-byte runs + QK beside", kLocal | kRemote | kRuns512, true},
                {"no writes, QK alone", 0, true}};
   for (const auto& c : cases) {
