@@ -3,7 +3,8 @@ runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run 
 timeline program, the microbenchmarks, the minimal kernels that reproduce racecheck's reports
 (named-barrier, mbarrier and cp.async hand-offs); the parser that turns an ncu log into our
 kernel time per call (benchmarks/kernel_times.py); the split of ncu's source counters by role
-and by how often a line runs (benchmarks/ncu_roles.py); the NumPy model of the 16-head
+and by how often a line runs (benchmarks/ncu_roles.py); how soon a role's shared-memory stores
+have their source registers overwritten (benchmarks/store_reuse.py); the NumPy model of the 16-head
 kernel's rounding (benchmarks/numerics_probe.py); and the one of the f16-product variant's
 (benchmarks/emulate_f16_products.py)."""
 
@@ -22,6 +23,7 @@ import jax_sparse_mla as jsm
 from benchmarks import emulate_f16_products
 from benchmarks.kernel_times import kernel_medians
 from benchmarks.numerics_probe import model_decode, stale_plan_case, stale_plan_in_the_model
+from benchmarks.store_reuse import distances, instructions, regions
 from tests.utils import assert_out_close, cosine_difference, fresh_rng
 from tests.utils.np_reference import np_sparse_mla_decode
 
@@ -121,6 +123,37 @@ def test_ncu_roles_groups_lines_by_how_often_they_run(tmp_path):
     # USETMAXREG line opens region 1 and counts among its every-block lines.
     assert [(r[1], r[3], r[5]) for r in rows] == [("1:", "0.50", "1"), ("1:", ">=1", "2")]
     assert [r[-1] for r in rows] == ["30", "40"]
+
+
+STORE_SASS = """
+        /*0000*/                   MOV R1, R2 ;
+        /*0010*/                   USETMAXREG.DEALLOC.CTAPOOL 0x80 ;
+        /* 0x000fe20000000f00 */
+        /*0020*/                   STS.128 [R96+UR16], R8 ;
+        /*0030*/                   STAS.128 [R98.64], R8 ;
+        /*0040*/                   FADD R20, R21, R22 ;
+        /*0050*/                   HADD2.F32 R10, -RZ, R9.H0_H0 ;
+        /*0060*/                   IADD3 R99, R7, 0x10, RZ ;
+        /*0070*/          @!P1     STS [R4+0x38300], RZ ;
+        /*0080*/                   ISETP.NE.AND P0, PT, R4, RZ, PT ;
+        /*0090*/                   LDS.64 R4, [R30] ;
+        /*00a0*/                   EXIT ;
+        /*00b0*/                   MOV R8, R1 ;
+"""
+
+
+def test_store_reuse_counts_instructions_to_a_stores_source_overwrite():
+    # Region 1 (after the USETMAXREG, before EXIT): the STS reads R96 and R8..R11, first
+    # rewritten by the HADD2 (R10) 3 instructions later; the STAS reads R98, R99 (a 64-bit
+    # address) and R8..R11: the HADD2 2 later; the predicated 4-byte STS reads R4, which the
+    # ISETP only reads and the LDS.64 writes 2 later. The MOV past the EXIT is not the region's.
+    ops = regions(instructions(STORE_SASS))
+    assert len(ops) == 1 and len(ops[0]) == 8
+    assert distances(ops[0]) == [3, 2, 2]
+    # Without the HADD2 and the LDS: the first STS is never overwritten, the STAS's address
+    # (R99) by the IADD3 2 instructions later, the 4-byte STS never.
+    kept = [op for op in ops[0] if not op.startswith(("HADD2", "LDS"))]
+    assert distances(kept) == [None, 2, None]
 
 
 def test_ncu_roles_sums_an_opcodes_stalls_per_region(tmp_path):
