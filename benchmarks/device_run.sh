@@ -183,9 +183,10 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
   if [[ ${NCU_FM:-0} == 1 && -f .anchor/side_by_side.py ]]; then
     # FlashMLA's decode kernel on the same inputs, same sections (its launches: no JAX warm-up,
     # so the same skip is a steady-state launch too). Two more files: keep STAGES to "build ncu".
-    python3 .anchor/build_fm.py >/dev/null 2>&1
+    # (its log comes back: session 37's FlashMLA report was missing and nothing said why)
+    python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1
     timeout ${NCU_T:-240} "${ncu_one[@]}" -k regex:flash_fwd_splitkv -o /tmp/prof_fm \
-      python3 .anchor/side_by_side.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} >/dev/null 2>&1
+      python3 .anchor/side_by_side.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} >"$OUT/ncu_fm.log" 2>&1
     ncu_pages /tmp/prof_fm.ncu-rep ncu_fm
     note "ncu FlashMLA: $(wc -l <"$OUT/ncu_fm_details.txt") detail lines"
   fi
