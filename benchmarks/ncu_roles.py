@@ -28,11 +28,12 @@ def read(path):
     return header, [r for r in rows[start + 1:] if len(r) >= len(header)]
 
 
-def by_region(rows):
-    """(region, row) for each SASS row: region k is the code after the k-th USETMAXREG."""
+def by_region(rows, sass=lambda r: r[1]):
+    """(region, row) for each SASS row: region k is the code after the k-th USETMAXREG.
+    `sass`: the row's instruction text (ncu's CSV rows: their Source column)."""
     region = 0
     for r in rows:
-        if "USETMAXREG" in r[1]:
+        if "USETMAXREG" in sass(r):
             region += 1
         yield region, r
 

@@ -11,12 +11,18 @@ SASS without a GPU"):
     cuobjdump -sass -fun <mangled decode_kernel name> X.cubin > k.sass
     python3 benchmarks/store_reuse.py k.sass --region 3    # region 3: the pair producer
 
-Regions as in ncu_roles.py: region k is the code after the k-th USETMAXREG, up to the next
-USETMAXREG or EXIT. The count follows the code in address order, not its branches: a store
+Regions as in ncu_roles.py (region k is the code after the k-th USETMAXREG), each cut at its
+first EXIT: what follows is other roles' out-of-line code. The count follows the code in address order, not its branches: a store
 near a loop's end whose registers the loop's top rewrites counts as never overwritten.
 """
 import argparse
 import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.ncu_roles import by_region  # noqa: E402
 
 _ADDR = re.compile(r"(?:/\*[0-9a-f]+\*/)?\s*(.*?)\s*;")
 _STORE = re.compile(r"(?:@!?U?P\w+\s+)?(STS|STAS)(\.(\d+))?\s+\[([^\]]*)\],\s*(R\d+|RZ)")
@@ -40,18 +46,18 @@ def instructions(text):
 
 
 def regions(instrs):
-    """Lists of instructions: region k runs from the k-th USETMAXREG to the next one or an EXIT."""
-    found, cur = [], None
-    for op in instrs:
-        if "USETMAXREG" in op:
-            cur = []
-            found.append(cur)
-        elif cur is not None:
-            if re.search(r"\bEXIT\b", op):
-                cur = None
-            else:
-                cur.append(op)
-    return found
+    """Lists of instructions: region k (ncu_roles.by_region) without its USETMAXREG and from
+    its first EXIT on."""
+    found, ended = {}, set()
+    for k, op in by_region(instrs, sass=lambda op: op):
+        if k == 0 or k in ended:
+            continue
+        ops = found.setdefault(k, [])
+        if re.search(r"\bEXIT\b", op):
+            ended.add(k)
+        elif "USETMAXREG" not in op:
+            ops.append(op)
+    return [found[k] for k in sorted(found)]
 
 
 def _regs(first, count):
