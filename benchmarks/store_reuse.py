@@ -22,79 +22,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.ncu_roles import by_region  # noqa: E402
+from benchmarks.sass_text import instructions, reads, regions, writes  # noqa: E402
 
-_ADDR = re.compile(r"(?:/\*[0-9a-f]+\*/)?\s*(.*?)\s*;")
-_STORE = re.compile(r"(?:@!?U?P\w+\s+)?(STS|STAS)(\.(\d+))?\s+\[([^\]]*)\],\s*(R\d+|RZ)")
-_DEST = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+(R\d+)\b")
-# Opcodes whose first register operand is read, not written.
-_NO_DEST = ("ST", "RED", "ATOM", "BRA", "BAR", "SYNCS", "MEMBAR", "FENCE", "WARPSYNC", "NOP", "EXIT",
-            "BSYNC", "BSSY", "CCTL", "HGMMA", "WARPGROUP", "UTMA", "UBLKPF", "CALL", "RET", "YIELD")
-
-
-def instructions(text):
-    """The SASS instructions of cuobjdump's output, in order (encodings and blank lines dropped)."""
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line.startswith("/*") or line.startswith("/* 0x"):
-            continue
-        m = _ADDR.match(line)
-        if m and m.group(1):
-            out.append(m.group(1))
-    return out
-
-
-def regions(instrs):
-    """Lists of instructions: region k (ncu_roles.by_region) without its USETMAXREG and from
-    its first EXIT on."""
-    found, ended = {}, set()
-    for k, op in by_region(instrs, sass=lambda op: op):
-        if k == 0 or k in ended:
-            continue
-        ops = found.setdefault(k, [])
-        if re.search(r"\bEXIT\b", op):
-            ended.add(k)
-        elif "USETMAXREG" not in op:
-            ops.append(op)
-    return [found[k] for k in sorted(found)]
-
-
-def _regs(first, count):
-    return {first + i for i in range(count)}
+_STORE = re.compile(r"(?:@!?U?P\w+\s+)?(STS|STAS)\b")
 
 
 def store_reads(op):
     """Registers a store reads (address and data), or None if `op` is not a shared store."""
-    m = _STORE.match(op)
-    if not m:
-        return None
-    addr = set()
-    for r, wide in re.findall(r"\bR(\d+)(\.64)?", m.group(4)):
-        addr |= _regs(int(r), 2 if wide else 1)
-    width = int(m.group(3) or 32) // 32
-    data = set() if m.group(5) == "RZ" else _regs(int(m.group(5)[1:]), width)
-    return addr | data
-
-
-def writes(op):
-    """Registers an instruction writes (its first register operand, with its width for loads)."""
-    m = _DEST.match(op)
-    if not m or m.group(1).startswith(_NO_DEST):
-        return set()
-    opcode, first = m.group(1), int(m.group(2)[1:])
-    width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
-    return _regs(first, width)
+    return reads(op) if _STORE.match(op) else None
 
 
 def distances(ops):
     """For each store, instructions until one of its registers is next written (None: never)."""
     out = []
     for i, op in enumerate(ops):
-        reads = store_reads(op)
-        if reads is None:
+        sources = store_reads(op)
+        if sources is None:
             continue
-        out.append(next((j - i for j in range(i + 1, len(ops)) if writes(ops[j]) & reads), None))
+        out.append(next((j - i for j in range(i + 1, len(ops)) if writes(ops[j]) & sources), None))
     return out
 
 

@@ -4,7 +4,8 @@ timeline program, the microbenchmarks, the minimal kernels that reproduce racech
 (named-barrier, mbarrier and cp.async hand-offs); the parser that turns an ncu log into our
 kernel time per call (benchmarks/kernel_times.py); the split of ncu's source counters by role
 and by how often a line runs (benchmarks/ncu_roles.py); how soon a role's shared-memory stores
-have their source registers overwritten (benchmarks/store_reuse.py); the NumPy model of the 16-head
+have their source registers overwritten (benchmarks/store_reuse.py); which scoreboard waits
+also wait for global loads issued just before them (benchmarks/sass_waits.py); the NumPy model of the 16-head
 kernel's rounding (benchmarks/numerics_probe.py); and the one of the f16-product variant's
 (benchmarks/emulate_f16_products.py)."""
 
@@ -23,7 +24,9 @@ import jax_sparse_mla as jsm
 from benchmarks import emulate_f16_products
 from benchmarks.kernel_times import kernel_medians
 from benchmarks.numerics_probe import model_decode, stale_plan_case, stale_plan_in_the_model
-from benchmarks.store_reuse import distances, instructions, regions
+from benchmarks.sass_text import instructions, parse, regions
+from benchmarks.sass_waits import needless_load_waits, waits
+from benchmarks.store_reuse import distances
 from tests.utils import assert_out_close, cosine_difference, fresh_rng
 from tests.utils.np_reference import np_sparse_mla_decode
 
@@ -154,6 +157,38 @@ def test_store_reuse_counts_instructions_to_a_stores_source_overwrite():
     # (R99) by the IADD3 2 instructions later, the 4-byte STS never.
     kept = [op for op in ops[0] if not op.startswith(("HADD2", "LDS"))]
     assert distances(kept) == [None, 2, None]
+
+
+def _sass_line(addr, op, write_sb=7, read_sb=7, wait_mask=0):
+    """One instruction as cuobjdump prints it, its upper encoding word holding these controls."""
+    upper = (write_sb << 5 | read_sb << 8 | wait_mask << 11) << 41
+    return f"        /*{addr:04x}*/                   {op} ;  /* 0x0000000000000000 */\n        /* {upper:#018x} */\n"
+
+
+WAIT_SASS = "".join([
+    _sass_line(0x00, "USETMAXREG.DEALLOC.CTAPOOL 0x80"),
+    _sass_line(0x10, "LDG.E R101, desc[UR4][R94.64]", write_sb=5, read_sb=1),  # an index
+    _sass_line(0x20, "LDG.E.128 R4, desc[UR4][R2.64]", write_sb=5, read_sb=1),  # a row's bytes
+    _sass_line(0x30, "@!P0 BRA 0x60", wait_mask=1 << 1),  # the loads have read their addresses
+    _sass_line(0x40, "ISETP.GE.AND P0, PT, R101, RZ, PT", wait_mask=1 << 5),
+    _sass_line(0x50, "LDG.E.128 R8, desc[UR4][R2.64+0x40]", write_sb=5),
+    _sass_line(0x60, "HADD2.F32 R20, -RZ, R8.H0_H0", wait_mask=1 << 5),
+    _sass_line(0x70, "EXIT"),
+])
+
+
+def test_sass_waits_finds_a_wait_for_loads_it_does_not_need():
+    # The controls are read from the upper words. The BRA waits for the two loads to have read
+    # their addresses (SB1: short, not reported); the ISETP needs the index (R101) but SB5 also
+    # counts the row load issued after it, two instructions back: reported. The HADD2 waits
+    # for the load it reads (R8): not reported.
+    instrs = regions(parse(WAIT_SASS), sass=lambda ins: ins.op)[0]
+    assert [ins.control.write_sb for ins in instrs] == [5, 5, 7, 7, 5, 7]
+    found = waits(instrs)
+    assert [(w.addr, w.scoreboard, w.pending, w.distance, w.on_result, w.needed) for w in found] == [
+        (0x30, 1, 2, 1, False, False), (0x40, 5, 2, 2, True, False), (0x60, 5, 1, 1, True, True)]
+    assert [w.addr for w in needless_load_waits(found, near=24)] == [0x40]
+    assert needless_load_waits(found, near=1) == []
 
 
 def test_ncu_roles_sums_an_opcodes_stalls_per_region(tmp_path):
