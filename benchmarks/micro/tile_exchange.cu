@@ -134,8 +134,11 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
     float acc[32];
     int reps = 0;
     const long long t0 = clock64();
-    // (bounded: a producer that never finishes ends as a wrong figure, not as a hang)
-    while (mode == 0 ? reps < 200 : !exchange_done && reps < (1 << 16)) {
+    // (bounded: a producer that never finishes ends as a wrong figure, not as a hang.) The
+    // warpgroup decides to stop as one, by a barrier vote (barrier 2; the producers use 1):
+    // wgmma is a warpgroup instruction, and a warp that read the flag a rep later than the
+    // others issued one alone and waited for it forever (the hang of sessions 16 and 38).
+    while (!named_bar_any(2, 128, mode == 0 ? reps >= 200 : exchange_done || reps >= (1 << 16))) {
       wgmma_fence();
       wgmma_m64n64k16_ss_first(acc, da, db);
 #pragma unroll
