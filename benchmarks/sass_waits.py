@@ -12,7 +12,8 @@ instruction earlier, a whole load's latency every second block (ncu: 27% of its 
 For each instruction of a region that waits on a scoreboard, this walks the region in
 address order (not its branches) and reports the waits whose youngest pending instruction on
 that scoreboard is a global load's result, issued within --near instructions, that the
-waiting instruction does not touch: a wait for loads it does not need.
+waiting instruction does not touch, while what it does use was issued at least --gap
+instructions earlier: a wait for a fresh load it does not need.
 
     cuobjdump -sass -fun <mangled decode_kernel name> X.cubin > k.sass
     python3 benchmarks/sass_waits.py k.sass --region 3    # region 3: the pair producer
@@ -21,7 +22,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -40,6 +41,7 @@ class Wait(NamedTuple):
     youngest: str
     on_result: bool  # the youngest counts until its result is written (not until its sources are read)
     needed: bool  # the waiting instruction touches a register the youngest one writes or reads
+    needed_distance: Optional[int]  # back to the youngest pending one it does touch (None: none)
 
 
 def waits(instrs):
@@ -53,10 +55,16 @@ def waits(instrs):
         for k in range(6):
             if not (ctl.wait_mask >> k) & 1 or not pending[k]:
                 continue
-            j, young, by_write = pending[k][-1]
             touched = reads(ins.op) | writes(ins.op)
-            needed = bool(writes(young.op) & touched) if by_write else bool(reads(young.op) & writes(ins.op))
-            out.append(Wait(i, ins.addr, ins.op, k, len(pending[k]), i - j, young.op, by_write, needed))
+
+            def uses(entry):  # the waiting instruction needs this pending one done
+                _, other, by_result = entry
+                return bool(writes(other.op) & touched) if by_result else bool(reads(other.op) & writes(ins.op))
+
+            j, young, by_write = pending[k][-1]
+            used = [i - e[0] for e in reversed(pending[k]) if uses(e)]
+            out.append(Wait(i, ins.addr, ins.op, k, len(pending[k]), i - j, young.op, by_write,
+                            uses(pending[k][-1]), used[0] if used else None))
             pending[k] = []
         depbar = re.match(r"DEPBAR\.LE SB(\d), (0x[0-9a-f]+|\d+)", ins.op)
         if depbar:  # waits until at most n are pending: the n youngest stay
@@ -69,11 +77,15 @@ def waits(instrs):
     return out
 
 
-def needless_load_waits(found, near):
+def needless_load_waits(found, near, gap):
     """The waits whose youngest pending instruction is a global load's result, within `near`,
-    not needed. (A wait for a load to have read its address registers is short: left out.)"""
+    that the waiting instruction does not use, while what it does use was issued at least `gap`
+    instructions before that load (or it uses none): the wait costs a fresh load's latency that
+    it would not have had. (A wait for a load to have read its address registers is short:
+    left out.)"""
     return [w for w in found
-            if w.on_result and not w.needed and w.distance <= near and _GLOBAL_LOAD.match(w.youngest)]
+            if w.on_result and not w.needed and w.distance <= near and _GLOBAL_LOAD.match(w.youngest) and
+            (w.needed_distance is None or w.needed_distance - w.distance >= gap)]
 
 
 def main():
@@ -81,15 +93,18 @@ def main():
     ap.add_argument("sass", help="cuobjdump -sass output of one kernel")
     ap.add_argument("--region", type=int, required=True, help="1 = the code after the first USETMAXREG")
     ap.add_argument("--near", type=int, default=24, help="report loads issued this many instructions before or fewer")
+    ap.add_argument("--gap", type=int, default=64,
+                    help="... when what the instruction uses was issued at least this many before them")
     args = ap.parse_args()
     instrs = regions(parse(open(args.sass).read()), sass=lambda ins: ins.op)[args.region - 1]
     found = waits(instrs)
-    bad = needless_load_waits(found, args.near)
+    bad = needless_load_waits(found, args.near, args.gap)
     print(f"region {args.region}: {len(instrs)} instructions, {len(found)} scoreboard waits, "
           f"{len(bad)} on global loads issued within {args.near} instructions that it does not need")
     for w in bad:
+        used = "none of them" if w.needed_distance is None else f"one {w.needed_distance} back"
         print(f"  {w.addr:#07x} {w.op}  waits SB{w.scoreboard} for {w.pending}, the youngest "
-              f"{w.distance} back: {w.youngest}")
+              f"{w.distance} back: {w.youngest}; it uses {used}")
 
 
 if __name__ == "__main__":

@@ -179,16 +179,18 @@ WAIT_SASS = "".join([
 
 def test_sass_waits_finds_a_wait_for_loads_it_does_not_need():
     # The controls are read from the upper words. The BRA waits for the two loads to have read
-    # their addresses (SB1: short, not reported); the ISETP needs the index (R101) but SB5 also
-    # counts the row load issued after it, two instructions back: reported. The HADD2 waits
-    # for the load it reads (R8): not reported.
+    # their addresses (SB1: short, not reported); the ISETP uses the index (R101, 3 back) but
+    # SB5 also counts the row load issued after it, 2 back: reported when the gap asked for is
+    # at most 1. The HADD2 waits for the load it reads (R8): not reported.
     instrs = regions(parse(WAIT_SASS), sass=lambda ins: ins.op)[0]
     assert [ins.control.write_sb for ins in instrs] == [5, 5, 7, 7, 5, 7]
     found = waits(instrs)
-    assert [(w.addr, w.scoreboard, w.pending, w.distance, w.on_result, w.needed) for w in found] == [
-        (0x30, 1, 2, 1, False, False), (0x40, 5, 2, 2, True, False), (0x60, 5, 1, 1, True, True)]
-    assert [w.addr for w in needless_load_waits(found, near=24)] == [0x40]
-    assert needless_load_waits(found, near=1) == []
+    assert [(w.addr, w.scoreboard, w.pending, w.distance, w.on_result, w.needed, w.needed_distance)
+            for w in found] == [(0x30, 1, 2, 1, False, False, None), (0x40, 5, 2, 2, True, False, 3),
+                                (0x60, 5, 1, 1, True, True, 1)]
+    assert [w.addr for w in needless_load_waits(found, near=24, gap=1)] == [0x40]
+    assert needless_load_waits(found, near=24, gap=2) == []
+    assert needless_load_waits(found, near=1, gap=1) == []
 
 
 def test_ncu_roles_sums_an_opcodes_stalls_per_region(tmp_path):
