@@ -19,6 +19,12 @@ exponentials), region by region, and says what share of the region's samples the
 """
 import argparse
 import csv
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.sass_text import by_region, opcode_of  # noqa: E402
 
 
 def read(path):
@@ -28,14 +34,9 @@ def read(path):
     return header, [r for r in rows[start + 1:] if len(r) >= len(header)]
 
 
-def by_region(rows, sass=lambda r: r[1]):
-    """(region, row) for each SASS row: region k is the code after the k-th USETMAXREG.
-    `sass`: the row's instruction text (ncu's CSV rows: their Source column)."""
-    region = 0
-    for r in rows:
-        if "USETMAXREG" in sass(r):
-            region += 1
-        yield region, r
+def source(row):
+    """A CSV row's SASS text (its Source column)."""
+    return row[1]
 
 
 def number(text):
@@ -66,7 +67,7 @@ def main():
         print_opcode(rows, col, stalls, args.opcode)
         return
     totals, lines = {}, []
-    for region, r in by_region(rows):
+    for region, r in by_region(rows, sass=source):
         t = totals.setdefault(region, {"instr": 0.0, "samples": 0.0, **{s: 0.0 for s in stalls}})
         t["instr"] += number(r[col["Instructions Executed"]])
         samples = number(r[col["Warp Stall Sampling (All Samples)"]])
@@ -91,19 +92,11 @@ def stall_shares(t, stalls, n, skip_zero=False):
     return ", ".join(f"{s[6:]} {v / max(t['samples'], 1) * 100:.0f}%" for v, s in top if v or not skip_zero)
 
 
-def opcode_of(sass):
-    """The opcode of a SASS line, its predicate (`@P0`, `@!P1`) skipped: `MUFU.EX2` -> `MUFU.EX2`."""
-    words = sass.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
-    return words[0] if words else ""
-
-
 def print_opcode(rows, col, stalls, opcode):
     """Per region: the lines whose opcode starts with `opcode`, their share of the region's stall
     samples and their own top stall reasons."""
     regions = {}
-    for region, r in by_region(rows):
+    for region, r in by_region(rows, sass=source):
         g = regions.setdefault(region, {"all": 0.0, "lines": 0, "samples": 0.0, **{s: 0.0 for s in stalls}})
         samples = number(r[col["Warp Stall Sampling (All Samples)"]])
         g["all"] += samples
@@ -122,7 +115,7 @@ def print_opcode(rows, col, stalls, opcode):
 def print_counts(rows, col, per):
     """Each region's lines grouped by count a block per warp (2 decimals; 1 and over together)."""
     groups = {}
-    for region, r in by_region(rows):
+    for region, r in by_region(rows, sass=source):
         n = number(r[col["Instructions Executed"]]) / per
         key = (region, 1.0 if n >= 1 else round(n, 2))
         g = groups.setdefault(key, [0, 0.0, 0.0])

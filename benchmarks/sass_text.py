@@ -1,6 +1,6 @@
-"""cuobjdump's SASS text, read: instructions with their control bits, the roles' regions, and
-the registers an instruction reads and writes. Shared by the offline SASS tools
-(store_reuse.py, sass_waits.py).
+"""SASS text, read: instructions with their control bits, the roles' regions, opcodes, and the
+registers an instruction reads and writes. Shared by the SASS tools (ncu_roles.py on ncu's
+source counters; store_reuse.py and sass_waits.py on cuobjdump's output).
 
 Each instruction of `cuobjdump -sass` is two lines, the second holding the upper 64 bits of
 its encoding. From bit 41 of that word on (bits 105.. of the instruction) Volta and later
@@ -9,17 +9,10 @@ scoreboard the instruction's result sets (3: 7 = none), the one its source reads
 the mask of scoreboards it waits for before issuing (6), and operand reuse flags (4).
 """
 import re
-import sys
-from pathlib import Path
 from typing import NamedTuple, Optional
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.ncu_roles import by_region  # noqa: E402
 
 _LINE = re.compile(r"/\*([0-9a-f]+)\*/\s*(.*?)\s*;\s*(?:/\*\s*(0x[0-9a-f]+)\s*\*/)?")
 _WORD = re.compile(r"^/\*\s*(0x[0-9a-f]+)\s*\*/$")
-_DEST = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+(R\d+)\b")
 # Opcodes whose first register operand is read, not written.
 _NO_DEST = ("ST", "RED", "ATOM", "BRA", "BAR", "SYNCS", "MEMBAR", "FENCE", "WARPSYNC", "NOP", "EXIT",
             "BSYNC", "BSSY", "CCTL", "HGMMA", "WARPGROUP", "UTMA", "UBLKPF", "CALL", "RET", "YIELD")
@@ -63,8 +56,31 @@ def instructions(text):
     return [ins.op for ins in parse(text)]
 
 
+def by_region(rows, sass=lambda row: row):
+    """(region, row) for each SASS row: region k is the code after the k-th USETMAXREG (the
+    roles of a warp-specialized kernel start at their `setmaxnreg`). `sass`: a row's text."""
+    region = 0
+    for r in rows:
+        if "USETMAXREG" in sass(r):
+            region += 1
+        yield region, r
+
+
+def split_instruction(op):
+    """(opcode, operands) of a SASS line, its predicate (`@P0`, `@!UP1`) skipped."""
+    words = op.split(None, 1)
+    if words and words[0].startswith("@"):
+        words = words[1].split(None, 1) if len(words) > 1 else []
+    return (words[0], words[1] if len(words) > 1 else "") if words else ("", "")
+
+
+def opcode_of(op):
+    """`@!P0 MUFU.EX2 R1, R2` -> `MUFU.EX2`."""
+    return split_instruction(op)[0]
+
+
 def regions(items, sass=lambda item: item):
-    """Lists of items: region k (ncu_roles.by_region) without its USETMAXREG and from its first
+    """Lists of items: region k (by_region) without its USETMAXREG and from its first
     EXIT on (what follows is other roles' out-of-line code). `sass`: an item's text."""
     found, ended = {}, set()
     for k, item in by_region(items, sass=sass):
@@ -84,21 +100,19 @@ def register_span(first, count):
 
 def writes(op):
     """Registers an instruction writes (its first register operand, with its width for loads)."""
-    m = _DEST.match(op)
-    if not m or m.group(1).startswith(_NO_DEST):
+    opcode, operands = split_instruction(op)
+    m = re.match(r"R(\d+)\b", operands)
+    if not m or opcode.startswith(_NO_DEST):
         return set()
-    opcode, first = m.group(1), int(m.group(2)[1:])
     width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
-    return register_span(first, width)
+    return register_span(int(m.group(1)), width)
 
 
 def reads(op):
     """Registers an instruction reads: every register operand but the one it writes (64-bit
     addresses as two, a store's data with its width)."""
-    body = re.sub(r"^@!?U?P\w+\s+", "", op)
-    opcode, _, body = body.partition(" ")
-    written = writes(op)
-    if written:
+    opcode, body = split_instruction(op)
+    if writes(op):
         body = body.split(",", 1)[1] if "," in body else ""
     out = set()
     for r, wide in re.findall(r"\bR(\d+)(\.64)?", body):

@@ -11,25 +11,21 @@ SASS without a GPU"):
     cuobjdump -sass -fun <mangled decode_kernel name> X.cubin > k.sass
     python3 benchmarks/store_reuse.py k.sass --region 3    # region 3: the pair producer
 
-Regions as in ncu_roles.py (region k is the code after the k-th USETMAXREG), each cut at its
+Regions as in sass_text.by_region (region k is the code after the k-th USETMAXREG), each cut at its
 first EXIT: what follows is other roles' out-of-line code. The count follows the code in address order, not its branches: a store
 near a loop's end whose registers the loop's top rewrites counts as never overwritten.
 """
 import argparse
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.sass_text import instructions, reads, regions, writes  # noqa: E402
-
-_STORE = re.compile(r"(?:@!?U?P\w+\s+)?(STS|STAS)\b")
-
+from benchmarks.sass_text import instructions, opcode_of, reads, regions, writes  # noqa: E402
 
 def store_reads(op):
     """Registers a store reads (address and data), or None if `op` is not a shared store."""
-    return reads(op) if _STORE.match(op) else None
+    return reads(op) if opcode_of(op).split(".")[0] in ("STS", "STAS") else None
 
 
 def distances(ops):
