@@ -13,12 +13,12 @@ import pytest
 
 from jax_sparse_mla import bench, reference
 from jax_sparse_mla.apps import trace_summary
-from tests.utils import assert_lse_close, assert_out_close, make_case, soften
+from tests.utils import assert_lse_close, assert_out_close, fresh_rng, make_case, soften
 
 
 @pytest.mark.parametrize("fmt", ["V32", "MODEL1"])
 def test_xla_gather_baseline_matches_reference(fmt):
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     # bf16 probabilities, like the GPU path: FlashMLA-like |V| (see soften in tests/utils/cases.py).
     case = soften(make_case(rng, fmt, b=2, s_q=2, h_q=16, topk=64, page_size=16, num_blocks=8, extra_topk=32,
                             extra_page_size=8, extra_num_blocks=4, with_sink=True, sm_scale=0.05))

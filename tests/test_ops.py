@@ -203,7 +203,7 @@ def test_few_requests_spread_over_every_worker():
         sched = np.asarray(plan.sched)
         pieces = [int(r[3] - r[2]) for r in sched if r[0] == r[1]]
         assert max(pieces) == piece_blocks, (b, topk, parts, pieces)
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     for _ in range(30):
         parts = int(rng.integers(2, 140))
         b = int(rng.integers(1, parts))
@@ -222,7 +222,7 @@ def test_few_requests_spread_over_every_worker():
 
 def test_plan_covers_every_block():
     """Every block of every request is done exactly once, pieces numbered in order."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     for _ in range(20):
         b = int(rng.integers(1, 40))
         topk = int(rng.integers(1, 700))

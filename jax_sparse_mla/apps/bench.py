@@ -258,7 +258,8 @@ def _gather_rows(kv, idx, fmt: KVFormat):
 
 
 def xla_gather_decode(q, kv, idx, sink, extra_kv=None, extra_idx=None, *, sm_scale):
-    """gather -> dequantize -> einsum -> softmax -> einsum, bf16 operands, fp32 accumulation."""
+    """gather -> dequantize -> einsum -> softmax -> einsum, bf16 operands, fp32 accumulation, the
+    probabilities rounded the kernels' way (docs/numerics.md)."""
     fmt = KVFormat.from_d_qk(q.shape[-1])
     keys, valid = [], []
     for cache, ix in ((kv, idx), (extra_kv, extra_idx)):
@@ -275,8 +276,10 @@ def xla_gather_decode(q, kv, idx, sink, extra_kv=None, extra_idx=None, *, sm_sca
     p = jnp.exp(z - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     lse = (m + jnp.log(denom))[..., 0]
-    out = jnp.einsum("bshn,bsnd->bshd", (p / denom).astype(jnp.bfloat16), k[..., :512],
-                     preferred_element_type=jnp.float32)
+    # Unnormalized probabilities into P·V, as the kernels round them: the largest is exactly 1 in
+    # bf16, and the float32 sum divides afterwards (normalizing first rounds every term).
+    out = jnp.einsum("bshn,bsnd->bshd", p.astype(jnp.bfloat16), k[..., :512],
+                     preferred_element_type=jnp.float32) / denom
     out = out / (1.0 + jnp.exp(sink[None, None, :] - lse))[..., None]
     return out.astype(jnp.bfloat16), jnp.transpose(lse, (0, 2, 1))
 
