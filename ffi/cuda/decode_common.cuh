@@ -24,8 +24,10 @@ constexpr float kLn2 = 0.69314718055994531f;
 
 // Where the time goes, for kernel work only: build with -DJSM_TIMING_EXPERIMENT=1 to skip
 // the cache loads, =2 to skip the MMAs, =3 to skip both, =4 to have the producer write
-// nothing (it only signals each buffer full: the consumers' chain alone). Results are then
-// wrong. A compile-time constant: a shipped build has no trace of it.
+// nothing (it only signals each buffer full: the consumers' chain alone), =5 to have a pair
+// producer send its peer no rows (the valid words only: what the tile exchange costs), =6 no
+// RoPE dims (what a peer loading its own RoPE could save). Results are then wrong. A
+// compile-time constant: a shipped build has no trace of it.
 #ifdef JSM_TIMING_EXPERIMENT
 constexpr int kTimingExperiment = JSM_TIMING_EXPERIMENT;
 #else
@@ -34,6 +36,8 @@ constexpr int kTimingExperiment = 0;
 constexpr bool kSkipStores = kTimingExperiment == 4;
 constexpr bool kSkipLoads = kTimingExperiment == 1 || kTimingExperiment == 3 || kSkipStores;
 constexpr bool kSkipMma = kTimingExperiment == 2 || kTimingExperiment == 3;
+constexpr bool kSkipPeerRows = kTimingExperiment == 5;
+constexpr bool kSkipPeerRope = kTimingExperiment == 6 || kSkipPeerRows;
 
 struct Params {
   // Q as a 3-d bf16 tensor {d_qk, h_q, batch * s_q} for the 64-row kernels' bulk copies

@@ -273,19 +273,19 @@ __device__ __forceinline__ void store_token(const RawToken<F>& raw, uint8_t* kt,
   const uint32_t peer_dst = peer_kt + tok * 16;
   uint32_t scale2[Fmt<F>::kScales];
   tile_scales<F>(raw.scales, scale2);
-  auto put = [&](int g, const uint4& v) {  // column group g of the row
+  auto put = [&](int g, const uint4& v, bool to_peer) {  // column group g of the row
     *reinterpret_cast<uint4*>(dst + g * GS) = v;
-    if (kPeer) st_async_v4(peer_dst + g * GS, v, peer_full);
+    if (kPeer && to_peer) st_async_v4(peer_dst + g * GS, v, peer_full);
   };
 #pragma unroll
   for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) {
     uint4 o0, o1;
     dequant16(raw.nope[i], scale2[i / Fmt<F>::kSpansPerScale], o0, o1);
-    put(8 * i + 2 * q4, o0);
-    put(8 * i + 2 * q4 + 1, o1);
+    put(8 * i + 2 * q4, o0, !kSkipPeerRows);
+    put(8 * i + 2 * q4 + 1, o1, !kSkipPeerRows);
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) put(Fmt<F>::kNope / 8 + 4 * r + q4, raw.rope[r]);
+  for (int r = 0; r < 2; ++r) put(Fmt<F>::kNope / 8 + 4 * r + q4, raw.rope[r], !kSkipPeerRope);
 }
 
 // Producer warpgroup `part` of a CTA on its own: with kEntries = 2 (one producer
@@ -362,7 +362,9 @@ __device__ __forceinline__ void produce_solo(const Params& p, const Work& w, int
 // Bytes a pair producer writes into its peer per block: half the tile's rows and 4
 // valid-mask words.
 template <KVFormat F>
-constexpr uint32_t kPeerBytes = (kTokens / 2) * Fmt<F>::kDqk * 2 + 4 * 4;
+constexpr uint32_t kPeerBytes =
+    (kTokens / 2) * ((kSkipPeerRows ? 0 : Fmt<F>::kNope) + (kSkipPeerRope ? 0 : Fmt<F>::kDqk - Fmt<F>::kNope)) * 2 +
+    4 * 4;
 
 // Producer of one CTA of a cluster pair: thread t handles entry 32 * rank + slot of every
 // block and writes it into both CTAs' tiles; the peer's producer does the other half.
