@@ -260,18 +260,25 @@ if has timeline; then  # CTA by CTA: when the decode kernel's CTAs start, end, a
     if ! apply_variant "$v"; then
       note "timeline $v: does not apply"
     else
+      # Every mode's build at once (one build's wall time for all of them), then each run alone.
+      stamp "timeline $v: building modes ${TIMELINE_MODES:-0}"
+      for mode in ${TIMELINE_MODES:-0}; do
+        ( build_tool /tmp/cta_timeline_$mode -DJSM_CTA_TIMELINE -DJSM_TIMING_EXPERIMENT=$mode \
+            benchmarks/micro/cta_timeline.cu ffi/cuda/decode_launch.cu >"$OUT/timeline_build_$mode.log" 2>&1
+          echo $? >/tmp/cta_timeline_$mode.rc ) &
+      done
+      wait
       for mode in ${TIMELINE_MODES:-0}; do
         stamp "timeline $v, mode $mode"
-        if build_tool /tmp/cta_timeline -DJSM_CTA_TIMELINE -DJSM_TIMING_EXPERIMENT=$mode benchmarks/micro/cta_timeline.cu \
-            ffi/cuda/decode_launch.cu >"$OUT/timeline_build.log" 2>&1; then
+        if [[ $(cat /tmp/cta_timeline_$mode.rc 2>/dev/null) == 0 ]]; then
           for h in ${TIMELINE_HEADS:-128 16}; do
             for b in ${TIMELINE_BATCHES:-1 128}; do
               echo "=== timeline $v, timing experiment $mode:"
-              timeout 60 /tmp/cta_timeline "$b" "$h" 2>&1
+              timeout 60 /tmp/cta_timeline_$mode "$b" "$h" 2>&1
             done | tee -a "$OUT/timeline.txt"
           done
         else
-          tail -20 "$OUT/timeline_build.log"; note "timeline $v, mode $mode: build FAILED"
+          tail -20 "$OUT/timeline_build_$mode.log"; note "timeline $v, mode $mode: build FAILED"
         fi
       done
       revert_variant
