@@ -26,8 +26,11 @@ constexpr float kLn2 = 0.69314718055994531f;
 // the cache loads, =2 to skip the MMAs, =3 to skip both, =4 to have the producer write
 // nothing (it only signals each buffer full: the consumers' chain alone), =5 to have a pair
 // producer send its peer no rows (the valid words only: what the tile exchange costs), =6 no
-// RoPE dims (what a peer loading its own RoPE could save). Results are then wrong. A
-// compile-time constant: a shipped build has no trace of it.
+// RoPE dims (what a peer loading its own RoPE could save), =7 as 5 but each producer thread
+// also converts its entry a second time (other input bits, so nothing is shared) into the
+// peer entry's row of its own tile: the conversions and stores of a pair that exchanged raw
+// bytes instead of converted rows, without the raw bytes' transfer. Results are then wrong.
+// A compile-time constant: a shipped build has no trace of it.
 #ifdef JSM_TIMING_EXPERIMENT
 constexpr int kTimingExperiment = JSM_TIMING_EXPERIMENT;
 #else
@@ -36,7 +39,8 @@ constexpr int kTimingExperiment = 0;
 constexpr bool kSkipStores = kTimingExperiment == 4;
 constexpr bool kSkipLoads = kTimingExperiment == 1 || kTimingExperiment == 3 || kSkipStores;
 constexpr bool kSkipMma = kTimingExperiment == 2 || kTimingExperiment == 3;
-constexpr bool kSkipPeerRows = kTimingExperiment == 5;
+constexpr bool kConvertPeerRows = kTimingExperiment == 7;
+constexpr bool kSkipPeerRows = kTimingExperiment == 5 || kConvertPeerRows;
 constexpr bool kSkipPeerRope = kTimingExperiment == 6 || kSkipPeerRows;
 
 struct Params {

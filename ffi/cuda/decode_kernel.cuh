@@ -286,6 +286,19 @@ __device__ __forceinline__ void store_token(const RawToken<F>& raw, uint8_t* kt,
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) put(Fmt<F>::kNope / 8 + 4 * r + q4, raw.rope[r], !kSkipPeerRope);
+  if (kPeer && kConvertPeerRows) {  // timing experiment 7: the peer entry's row, converted here
+    uint8_t* dst2 = kt + (tok ^ (kTokens / 2)) * 16;
+#pragma unroll
+    for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) {
+      const uint4 w = raw.nope[i];
+      uint4 o0, o1;
+      dequant16(make_uint4(w.x ^ 1u, w.y ^ 1u, w.z ^ 1u, w.w ^ 1u), scale2[i / Fmt<F>::kSpansPerScale], o0, o1);
+      *reinterpret_cast<uint4*>(dst2 + (8 * i + 2 * q4) * GS) = o0;
+      *reinterpret_cast<uint4*>(dst2 + (8 * i + 2 * q4 + 1) * GS) = o1;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) *reinterpret_cast<uint4*>(dst2 + (Fmt<F>::kNope / 8 + 4 * r + q4) * GS) = raw.rope[r];
+  }
 }
 
 // Producer warpgroup `part` of a CTA on its own: with kEntries = 2 (one producer
