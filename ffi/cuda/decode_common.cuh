@@ -25,12 +25,12 @@ constexpr float kLn2 = 0.69314718055994531f;
 // Where the time goes, for kernel work only: build with -DJSM_TIMING_EXPERIMENT=1 to skip
 // the cache loads, =2 to skip the MMAs, =3 to skip both, =4 to have the producer write
 // nothing (it only signals each buffer full: the consumers' chain alone), =5 to have a pair
-// producer send its peer no rows (the valid words only: what the tile exchange costs), =6 no
-// RoPE dims (what a peer loading its own RoPE could save), =7 as 5 but each producer thread
-// also converts its entry a second time (other input bits, so nothing is shared) into the
-// peer entry's row of its own tile: the conversions and stores of a pair that exchanged raw
-// bytes instead of converted rows, without the raw bytes' transfer. Results are then wrong.
-// A compile-time constant: a shipped build has no trace of it.
+// producer send its peer no rows (the valid words only) but store them into the peer entry's
+// row of its own tile (what the SM-to-SM path costs beyond the shared-memory writes), =6 the
+// same for the RoPE dims alone (what a peer loading its own RoPE could save), =7 as 5 with
+// that row converted a second time from sign-flipped codes (nothing shared): the conversions
+// of a pair that exchanged raw bytes instead of converted rows, without the raw bytes'
+// transfer. Results are then wrong. A compile-time constant: a shipped build has no trace of it.
 #ifdef JSM_TIMING_EXPERIMENT
 constexpr int kTimingExperiment = JSM_TIMING_EXPERIMENT;
 #else
