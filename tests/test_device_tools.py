@@ -47,15 +47,12 @@ def _builds(tmp_path, sources, *flags):
 @pytest.mark.parametrize("program, kernels, flags",
                          [("sanitizer_repro/decode_harness.cu", ["decode_launch.cu", "combine.cu"], []),
                           ("micro/cta_timeline.cu", ["decode_launch.cu"], ["-DJSM_CTA_TIMELINE"]),
-                          ("micro/cta_timeline.cu", ["decode_launch.cu"],
-                           ["-DJSM_CTA_TIMELINE", "-DJSM_TIMING_EXPERIMENT=7"]),
-                          ("micro/cta_timeline.cu", ["decode_launch.cu"],
-                           ["-DJSM_CTA_TIMELINE", "-DJSM_TIMING_EXPERIMENT=6"])])
+                          *(("micro/cta_timeline.cu", ["decode_launch.cu"],
+                             ["-DJSM_CTA_TIMELINE", f"-DJSM_TIMING_EXPERIMENT={mode}"]) for mode in (5, 6, 7))])
 def test_decode_harness_builds(tmp_path, program, kernels, flags):
     # The kernels launched without JAX: the sanitizers' harness (decode, then combine), and
     # the CTA timeline (its probes compiled in; also in the timing experiments that change
-    # what a pair producer sends its peer, which the stage `timeline` builds: 7 covers 5's
-    # code and adds its own).
+    # what a pair producer sends its peer, which the stage `timeline` builds).
     done = _builds(tmp_path, [f"benchmarks/{program}", *(f"ffi/cuda/{k}" for k in kernels)], *flags)
     assert done.returncode == 0, done.stderr[-3000:]
     # ptxas's C7511 / C7512 / C7514: it could not keep some wgmma's registers apart from other
