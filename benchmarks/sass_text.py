@@ -79,6 +79,11 @@ def opcode_of(op):
     return split_instruction(op)[0]
 
 
+def base_opcode(op):
+    """`@!P0 LDG.E.128 R4, [R2.64]` -> `LDG` (the opcode without its modifiers)."""
+    return opcode_of(op).split(".")[0]
+
+
 def regions(items, sass=lambda item: item):
     """Lists of items: region k (by_region) without its USETMAXREG and from its first
     EXIT on (what follows is other roles' out-of-line code). `sass`: an item's text."""

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.sass_text import NO_SCOREBOARD, opcode_of, parse, reads, regions, writes  # noqa: E402
+from benchmarks.sass_text import NO_SCOREBOARD, base_opcode, parse, reads, regions, writes  # noqa: E402
 
 
 class Wait(NamedTuple):
@@ -82,7 +82,7 @@ def needless_load_waits(found, near, gap):
     it would not have had. (A wait for a load to have read its address registers is short:
     left out.)"""
     return [w for w in found
-            if w.on_result and not w.needed and w.distance <= near and opcode_of(w.youngest).split(".")[0] in ("LDG", "LDGSTS") and
+            if w.on_result and not w.needed and w.distance <= near and base_opcode(w.youngest) in ("LDG", "LDGSTS") and
             (w.needed_distance is None or w.needed_distance - w.distance >= gap)]
 
 

@@ -273,35 +273,35 @@ __device__ __forceinline__ void store_token(const RawToken<F>& raw, uint8_t* kt,
   const uint32_t peer_dst = peer_kt + tok * 16;
   uint32_t scale2[Fmt<F>::kScales];
   tile_scales<F>(raw.scales, scale2);
+  auto put = [&](int g, const uint4& v, bool to_peer) {  // column group g of the row
+    *reinterpret_cast<uint4*>(dst + g * GS) = v;
+    if (kPeer && to_peer) st_async_v4(peer_dst + g * GS, v, peer_full);
+  };
   // Timing experiments 5-7 (decode_common.cuh): what the peer is not sent goes into the peer
   // entry's row of this CTA's own tile ("twin"), so that the tile holds realistic values (the
   // softmax's work depends on them) and the shared-memory writes stay.
   uint8_t* twin = kt + (tok ^ (kTokens / 2)) * 16;
-  auto put = [&](int g, const uint4& v, bool to_peer, bool to_twin) {  // column group g of the row
-    *reinterpret_cast<uint4*>(dst + g * GS) = v;
-    if (kPeer && to_peer) st_async_v4(peer_dst + g * GS, v, peer_full);
-    if (kPeer && to_twin) *reinterpret_cast<uint4*>(twin + g * GS) = v;
-  };
-  constexpr bool kTwinRows = kSkipPeerRows && !kConvertPeerRows;
+  auto put_twin = [&](int g, const uint4& v) { *reinterpret_cast<uint4*>(twin + g * GS) = v; };
 #pragma unroll
   for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) {
     uint4 o0, o1;
     dequant16(raw.nope[i], scale2[i / Fmt<F>::kSpansPerScale], o0, o1);
-    put(8 * i + 2 * q4, o0, !kSkipPeerRows, kTwinRows);
-    put(8 * i + 2 * q4 + 1, o1, !kSkipPeerRows, kTwinRows);
+    put(8 * i + 2 * q4, o0, !kSkipPeerRows);
+    put(8 * i + 2 * q4 + 1, o1, !kSkipPeerRows);
+    if (kPeer && kSkipPeerRows) {
+      if (kConvertPeerRows) {  // experiment 7: converted a second time, from sign-flipped codes
+        const uint4 w = raw.nope[i];  // (other input, so nothing is shared; valid codes stay valid)
+        dequant16(make_uint4(w.x ^ 0x80808080u, w.y ^ 0x80808080u, w.z ^ 0x80808080u, w.w ^ 0x80808080u),
+                  scale2[i / Fmt<F>::kSpansPerScale], o0, o1);
+      }
+      put_twin(8 * i + 2 * q4, o0);
+      put_twin(8 * i + 2 * q4 + 1, o1);
+    }
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) put(Fmt<F>::kNope / 8 + 4 * r + q4, raw.rope[r], !kSkipPeerRope, kSkipPeerRope);
-  if (kPeer && kConvertPeerRows) {  // experiment 7: the twin row converted a second time
-#pragma unroll
-    for (int i = 0; i < Fmt<F>::kNopeSpans; ++i) {
-      const uint4 w = raw.nope[i];  // signs flipped: other input, valid codes stay valid
-      const uint4 flipped = make_uint4(w.x ^ 0x80808080u, w.y ^ 0x80808080u, w.z ^ 0x80808080u, w.w ^ 0x80808080u);
-      uint4 o0, o1;
-      dequant16(flipped, scale2[i / Fmt<F>::kSpansPerScale], o0, o1);
-      *reinterpret_cast<uint4*>(twin + (8 * i + 2 * q4) * GS) = o0;
-      *reinterpret_cast<uint4*>(twin + (8 * i + 2 * q4 + 1) * GS) = o1;
-    }
+  for (int r = 0; r < 2; ++r) {
+    put(Fmt<F>::kNope / 8 + 4 * r + q4, raw.rope[r], !kSkipPeerRope);
+    if (kPeer && kSkipPeerRope) put_twin(Fmt<F>::kNope / 8 + 4 * r + q4, raw.rope[r]);
   }
 }
 
