@@ -253,6 +253,8 @@ fi
 if has timeline; then  # CTA by CTA: when the decode kernel's CTAs start, end, and how long each phase takes (128 and 16 heads)
   # TIMELINE_MODES: the timing experiments to record (0 = the kernel as shipped; 1-4 as in
   # stage diag: with a role's work taken out, which spans of the others shrink).
+  # TIMELINE_RECORDED=N (default 1): N launches recorded, and whether a CTA's speed stays with
+  # its SM across them (and from its first piece to the rest within one).
   # TIMELINE_VARIANTS: patch stacks as in stage variants ("base a a+b"), each applied to the
   # tree for its build of the tool and reverted: ~40 s a variant, where timing one with ncu
   # costs ~80 (the timeline's launch time and phases are the b = 1 measure).
@@ -274,7 +276,7 @@ if has timeline; then  # CTA by CTA: when the decode kernel's CTAs start, end, a
           for h in ${TIMELINE_HEADS:-128 16}; do
             for b in ${TIMELINE_BATCHES:-1 128}; do
               echo "=== timeline $v, timing experiment $mode:"
-              timeout 60 /tmp/cta_timeline_$mode "$b" "$h" 2>&1
+              timeout 60 /tmp/cta_timeline_$mode "$b" "$h" 50 ${TIMELINE_RECORDED:-1} 2>&1
             done | tee -a "$OUT/timeline.txt"
           done
         else

@@ -9,10 +9,15 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DJSM_CTA_TIMELINE \
 //     -I$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())") -Iffi \
 //     -o /tmp/cta_timeline benchmarks/micro/cta_timeline.cu ffi/cuda/decode_launch.cu
-//   /tmp/cta_timeline [batch=1] [h_q=128] [launches=50]
+//   /tmp/cta_timeline [batch=1] [h_q=128] [launches=50] [recorded=1]
+// With recorded >= 2 that many launches are recorded one after another, and the tool also says
+// whether a CTA's speed stays with its SM from launch to launch, and within a launch from its
+// first piece to the rest: what a schedule that hands slow SMs less work could count on.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+#include <map>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -46,6 +51,96 @@ std::vector<double> phase(const std::vector<CtaTimeline>& ctas, tl::Stamp a, tl:
   return v;
 }
 
+// Pearson's correlation of x and y (0 when either does not vary).
+double correlation(const std::vector<double>& x, const std::vector<double>& y) {
+  const size_t n = x.size();
+  double mx = 0, my = 0;
+  for (size_t i = 0; i < n; ++i) mx += x[i] / n, my += y[i] / n;
+  double sxy = 0, sxx = 0, syy = 0;
+  for (size_t i = 0; i < n; ++i) {
+    sxy += (x[i] - mx) * (y[i] - my);
+    sxx += (x[i] - mx) * (x[i] - mx);
+    syy += (y[i] - my) * (y[i] - my);
+  }
+  return sxx > 0 && syy > 0 ? sxy / std::sqrt(sxx * syy) : 0.0;
+}
+
+// Whether a CTA's speed is its SM's, over the recorded launches (`ctas_per_slice`: CTAs of one
+// head group, x * y of the grid; the pair kernel's clusters are head groups 2k and 2k + 1).
+//   Within a launch: a CTA's first piece (first tile -> its output stores begin) against the
+//   rest (-> the last piece's stores begin), over the CTAs with two or more pieces.
+//   Across launches: the CTA life of each SM in one launch against the next.
+//   The end: the slowest cluster's end against the third slowest's (at b = 64 or 128 the 33rd
+//   worker idles: a schedule that gave the slowest clusters less work could approach the latter).
+void print_speed_persistence(const std::vector<std::vector<CtaTimeline>>& records, int ctas_per_slice, bool pairs) {
+  std::printf("is a CTA's speed its SM's? (%zu recorded launches)\n", records.size());
+  std::vector<std::map<unsigned, double>> life_by_sm(records.size());
+  for (size_t k = 0; k < records.size(); ++k) {
+    std::vector<double> first, rest;
+    std::map<int, unsigned long long> cluster_end;
+    unsigned long long first_start = ~0ull;
+    for (size_t i = 0; i < records[k].size(); ++i) {
+      const CtaTimeline& r = records[k][i];
+      if (r.clock[tl::kStampEntry] == 0) continue;
+      first_start = std::min(first_start, r.start_ns);
+      if (r.clock[tl::kStampWork] == 0) continue;
+      life_by_sm[k][r.smid] = static_cast<double>(r.end_ns - r.start_ns);
+      const int slice = static_cast<int>(i) / ctas_per_slice;
+      const int cluster = static_cast<int>(i) % ctas_per_slice + ctas_per_slice * (pairs ? slice / 2 : slice);
+      cluster_end[cluster] = std::max(cluster_end[cluster], r.end_ns);
+      const long long a = r.clock[tl::kStampFirstTile], b = r.clock[tl::kStampFirstPieceEnd],
+                      c = r.clock[tl::kStampStoreQK];
+      if (a != 0 && b > a && c > b) {
+        first.push_back(static_cast<double>(b - a));
+        rest.push_back(static_cast<double>(c - b));
+      }
+    }
+    std::vector<double> ends;
+    for (const auto& ce : cluster_end) ends.push_back(static_cast<double>(ce.second - first_start));
+    std::sort(ends.rbegin(), ends.rend());
+    std::printf("  launch %zu: first piece against the rest, correlation %+.2f over %zu CTAs", k + 1,
+                correlation(first, rest), first.size());
+    if (ends.size() >= 3)
+      std::printf("; slowest cluster ends at %.2f us, the third slowest at %.2f", 1e-3 * ends[0], 1e-3 * ends[2]);
+    std::printf("\n");
+  }
+  if (records.size() < 2) return;
+  std::vector<double> r;
+  for (size_t k = 0; k + 1 < records.size(); ++k) {
+    std::vector<double> x, y;
+    for (const auto& sl : life_by_sm[k]) {
+      const auto it = life_by_sm[k + 1].find(sl.first);
+      if (it != life_by_sm[k + 1].end()) x.push_back(sl.second), y.push_back(it->second);
+    }
+    r.push_back(correlation(x, y));
+  }
+  std::printf("  CTA life by SM, each launch against the next: correlation");
+  for (double v : r) std::printf(" %+.2f", v);
+  std::printf("\n");
+  // Each SM's mean life over the launches it worked in, and how far its own lives range.
+  std::map<unsigned, std::vector<double>> lives;
+  for (const auto& m : life_by_sm)
+    for (const auto& sl : m) lives[sl.first].push_back(sl.second);
+  std::vector<double> means, ranges;
+  std::vector<std::pair<double, unsigned>> by_mean;
+  for (const auto& sl : lives) {
+    if (sl.second.size() < 2) continue;
+    double mean = 0;
+    for (double v : sl.second) mean += v / sl.second.size();
+    means.push_back(mean);
+    ranges.push_back(*std::max_element(sl.second.begin(), sl.second.end()) -
+                     *std::min_element(sl.second.begin(), sl.second.end()));
+    by_mean.push_back({mean, sl.first});
+  }
+  print_spread("an SM's mean CTA life", means, 1e-3, "us");
+  print_spread("an SM's own range (max - min) over launches", ranges, 1e-3, "us");
+  std::sort(by_mean.rbegin(), by_mean.rend());
+  std::printf("  slowest SMs by mean life (us):");
+  for (size_t i = 0; i < std::min<size_t>(6, by_mean.size()); ++i)
+    std::printf(" SM %u %.2f;", by_mean[i].second, 1e-3 * by_mean[i].first);
+  std::printf("\n");
+}
+
 bool check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) std::printf("%s: %s\n", what, cudaGetErrorString(e));
   return e == cudaSuccess;
@@ -57,6 +152,7 @@ int main(int argc, char** argv) {
   const int batch = argc > 1 ? std::atoi(argv[1]) : 1;
   const int h_q = argc > 2 ? std::atoi(argv[2]) : 128;
   const int launches = argc > 3 ? std::max(std::atoi(argv[3]), 2) : 50;
+  const int recorded = argc > 4 ? std::max(std::atoi(argv[4]), 1) : 1;
   const host_problem::Case c{"timeline", jsm::KVFormat::kV32, batch, 2, h_q, 2048, 0, 64, 64, batch * 512, 0, 0};
   const jsm::DecodeProblem dp = host_problem::make_problem(c, /*garbage=*/false);
 
@@ -72,16 +168,19 @@ int main(int argc, char** argv) {
   float ms = 0.f;
   cudaEventElapsedTime(&ms, t0, t1);
 
-  // One more launch, alone, recorded.
-  std::vector<CtaTimeline> all(kTimelineCtas);
-  if (!check(tl::copy_cta_timeline(all.data(), /*clear=*/true), "clearing the timeline")) return 1;
-  const auto e = jsm::cuda::launch_decode(dp, nullptr);
-  if (e.failure()) {
-    std::printf("launch: %s\n", e.message().c_str());
-    return 1;
+  // `recorded` more launches, each alone and recorded; the phases below are the last one's.
+  std::vector<std::vector<CtaTimeline>> records(recorded, std::vector<CtaTimeline>(kTimelineCtas));
+  for (auto& rec : records) {
+    if (!check(tl::copy_cta_timeline(rec.data(), /*clear=*/true), "clearing the timeline")) return 1;
+    const auto e = jsm::cuda::launch_decode(dp, nullptr);
+    if (e.failure()) {
+      std::printf("launch: %s\n", e.message().c_str());
+      return 1;
+    }
+    if (!check(cudaDeviceSynchronize(), "recorded launch")) return 1;
+    if (!check(tl::copy_cta_timeline(rec.data(), /*clear=*/false), "reading the timeline")) return 1;
   }
-  if (!check(cudaDeviceSynchronize(), "recorded launch")) return 1;
-  if (!check(tl::copy_cta_timeline(all.data(), /*clear=*/false), "reading the timeline")) return 1;
+  const std::vector<CtaTimeline>& all = records.back();
 
   std::vector<CtaTimeline> used;
   int idle = 0;
@@ -185,5 +284,6 @@ int main(int argc, char** argv) {
                   count[count.size() / 2], 100.0 * share[share.size() / 2]);
     }
   }
+  print_speed_persistence(records, dp.num_parts * dp.s_q, h_q > 64);
   return 0;
 }

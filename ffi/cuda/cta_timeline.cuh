@@ -25,6 +25,7 @@ enum Stamp {
   kStampQClusterWaited, // WG0, past its cluster wait (pairs; alone: just after kStampQIssued)
   kStampQ,              // WG0, Q in shared memory (first piece)
   kStampFirstTile,      // WG0, the first K tile complete
+  kStampFirstPieceEnd,  // WG0, the first piece's output stores begin (kept: stamp_first)
   kStampStoreQK,        // WG0, the last piece's output stores begin
   kStampStoredQK,       //   ... and are issued
   kStampStorePV,        // WG1, the same
@@ -95,6 +96,13 @@ __device__ __forceinline__ void stamp(bool when, Stamp k) {
   }
 }
 
+// Records point `k` the first time `when` holds in the launch (the tool zeroes the records
+// before the launch it reads).
+__device__ __forceinline__ void stamp_first(bool when, Stamp k) {
+  CtaTimeline* tl = when ? timeline_of_this_cta() : nullptr;
+  if (tl != nullptr && tl->clock[k] == 0) tl->clock[k] = clock64();
+}
+
 __device__ __forceinline__ long long span_clock() { return clock64(); }
 
 // Adds the cycles since `since` (a span_clock value) to span `k` when `when` holds. Fire and
@@ -112,6 +120,7 @@ __device__ __forceinline__ void span_add(bool when, Span k, long long since) {
 cudaError_t copy_cta_timeline(CtaTimeline* host, bool clear);
 #else
 __device__ __forceinline__ void stamp(bool, Stamp) {}
+__device__ __forceinline__ void stamp_first(bool, Stamp) {}
 __device__ __forceinline__ long long span_clock() { return 0; }
 __device__ __forceinline__ void span_add(bool, Span, long long) {}
 #endif

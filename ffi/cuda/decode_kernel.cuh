@@ -884,6 +884,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
         l[hf] = 0.f;
       }
       named_bar_sync(kBarPieceEnd, kConsumers);  // (past it, both consumers are done with every tile)
+      stamp_first(t == 0, kStampFirstPieceEnd);
       stamp(t == 0, kStampStoreQK);
       if (stage_output(p, po, st.walk_ends)) {
         store_o_staged(p, o, f, po, s, hg, r0, c, 0, smem + L::kK);
