@@ -138,6 +138,15 @@ def main():
         c = make_case(rng, MODEL1, b=3, s_q=2, h_q=128, topk=300, page_size=64, num_blocks=16, extra_topk=70,
                       extra_page_size=64, extra_num_blocks=4, with_lengths=True, with_sink=True)
         cases.append(("MODEL1 h128 many splits (64 parts)", c, 64))
+        # Plans that cut no request (33 parts, each two or three whole requests): the pair
+        # kernel's walk over whole requests, down to one-block requests.
+        c = make_case(rng, V32, b=66, s_q=2, h_q=128, topk=128, page_size=64, num_blocks=16, with_sink=True)
+        cases.append(("V32 h128 s2 b66 k128 whole requests (33 parts)", c, 33))
+        c = make_case(rng, V32, b=99, s_q=2, h_q=128, topk=64, page_size=64, num_blocks=16)
+        cases.append(("V32 h128 s2 b99 k64 one-block requests (33 parts)", c, 33))
+        c = make_case(rng, MODEL1, b=66, s_q=2, h_q=128, topk=128, page_size=64, num_blocks=16, extra_topk=64,
+                      extra_page_size=64, extra_num_blocks=4)
+        cases.append(("MODEL1 h128 s2 b66 k128 x64 whole requests (33 parts)", c, 33))
     ok = 0
     for name, c, parts in cases:
         ok += report(name, c, None if parts is None else _plan(c, parts))
