@@ -654,6 +654,38 @@ def test_repeated_calls_bit_identical():
         np.testing.assert_array_equal(np.asarray(again[1]), np.asarray(first[1]))
 
 
+@pytest.mark.parametrize("topk", [64, 128])
+@pytest.mark.parametrize("fmt", [V32, MODEL1])
+def test_whole_request_plans_at_128_heads(fmt, topk):
+    """Plans that cut no request, at 128 heads (the pair kernel), two or three requests a
+    worker and down to one-block requests: right against the reference, and bit-identical over
+    repeated calls and the steps of a scan (whatever cluster computes a request, it is computed
+    whole, in the same order)."""
+    parts = min(33, max(_sm_count() // 4, 1))
+    b = (2 if topk == 128 else 3) * parts
+    case = make_case(fresh_rng(), fmt, b=b, s_q=2, h_q=128, topk=topk, page_size=64, num_blocks=16,
+                     extra_topk=64 if fmt == MODEL1 else 0, extra_page_size=64, extra_num_blocks=4, with_sink=True)
+    plan = _plan(_on(case, GPU), num_parts=parts)
+    assert int(np.asarray(plan.num_splits)[-1]) == b  # no request cut
+    first = _check(case, plan=plan)
+    softened = _on(soften(case), GPU)
+    for _ in range(3):
+        again = _decode(**softened, plan=plan)
+        np.testing.assert_array_equal(_np(again[0]), _np(first[0]))
+        np.testing.assert_array_equal(np.asarray(again[1]), np.asarray(first[1]))
+
+    @jax.jit
+    def steps(q):
+        def step(carry, _):
+            return carry, _decode(**dict(softened, q=q), plan=plan)
+        return jax.lax.scan(step, 0, None, length=6)[1]
+
+    outs, lses = steps(softened["q"])
+    for i in range(6):
+        np.testing.assert_array_equal(_np(outs[i]), _np(first[0]))
+        np.testing.assert_array_equal(np.asarray(lses[i]), np.asarray(first[1]))
+
+
 _GRAPH_SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
