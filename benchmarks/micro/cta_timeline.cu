@@ -17,9 +17,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <vector>
 
 #include "cuda/cta_timeline.cuh"
