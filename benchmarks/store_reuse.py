@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sass_text import base_opcode, instructions, reads, regions, writes  # noqa: E402
 
+
 def store_reads(op):
     """Registers a store reads (address and data), or None if `op` is not a shared store."""
     return reads(op) if base_opcode(op) in ("STS", "STAS") else None

@@ -51,6 +51,14 @@ std::vector<double> phase(const std::vector<CtaTimeline>& ctas, tl::Stamp a, tl:
   return v;
 }
 
+// The launch's start: the first recorded CTA's entry (nanosecond timer).
+unsigned long long launch_start(const std::vector<CtaTimeline>& ctas) {
+  unsigned long long first = ~0ull;
+  for (const auto& r : ctas)
+    if (r.clock[tl::kStampEntry] != 0) first = std::min(first, r.start_ns);
+  return first;
+}
+
 // Pearson's correlation of x and y (0 when either does not vary).
 double correlation(const std::vector<double>& x, const std::vector<double>& y) {
   const size_t n = x.size();
@@ -78,12 +86,10 @@ void print_speed_persistence(const std::vector<std::vector<CtaTimeline>>& record
   for (size_t k = 0; k < records.size(); ++k) {
     std::vector<double> first, rest;
     std::map<int, unsigned long long> cluster_end;
-    unsigned long long first_start = ~0ull;
+    const unsigned long long first_start = launch_start(records[k]);
     for (size_t i = 0; i < records[k].size(); ++i) {
       const CtaTimeline& r = records[k][i];
-      if (r.clock[tl::kStampEntry] == 0) continue;
-      first_start = std::min(first_start, r.start_ns);
-      if (r.clock[tl::kStampWork] == 0) continue;
+      if (r.clock[tl::kStampWork] == 0) continue;  // (idle, or not recorded)
       life_by_sm[k][r.smid] = static_cast<double>(r.end_ns - r.start_ns);
       const int slice = static_cast<int>(i) / ctas_per_slice;
       const int cluster = static_cast<int>(i) % ctas_per_slice + ctas_per_slice * (pairs ? slice / 2 : slice);
@@ -196,9 +202,7 @@ int main(int argc, char** argv) {
     std::printf("no CTA recorded (built without -DJSM_CTA_TIMELINE, or not the 64-row kernel?)\n");
     return 1;
   }
-  unsigned long long first_start = ~0ull;
-  for (const auto& r : all)
-    if (r.clock[tl::kStampEntry] != 0) first_start = std::min(first_start, r.start_ns);
+  const unsigned long long first_start = launch_start(all);
   std::vector<double> starts, ends, lives_ns, lives_cycles;
   for (const auto& r : used) {
     starts.push_back(static_cast<double>(r.start_ns - first_start));
