@@ -79,6 +79,10 @@ if has smoke; then
 fi
 
 if has pytest; then  # PYTEST_RUNS times in a row, each with fresh random seeds
+  # `--count N` in PYTEST_ARGS needs pytest-repeat, which the machine lacks: a carried .whl/ has it.
+  if [[ " $PYTEST_ARGS " == *" --count"* ]] && ls .whl/pytest_repeat-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-deps .whl/pytest_repeat-*.whl 2>&1 | tail -2
+  fi
   for run in $(seq 1 ${PYTEST_RUNS:-1}); do
     stamp "pytest run $run"
     # No gemm autotuning: the tests' XLA reference compiles anew for every case (new shapes, a
