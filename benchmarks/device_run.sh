@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
 # Logs go to $OUT (the device tool brings them back); each verdict is printed as it comes.
-#   STAGES="build smoke pytest bench diag ktime anchor trace ncu sanitize racecheck harness timeline micro variants" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+#   STAGES="build smoke pytest bench diag ktime anchor balance trace ncu sanitize racecheck harness timeline micro variants" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 # Stage `anchor` is the yardstick against FlashMLA (kernel time of both on identical inputs):
 # it needs a copy of FlashMLA's measuring harness in .anchor/ (not part of the repository; git-ignored,
 # carried to the device) and runs .anchor/ktime.sh on $KSHAPES (docs/performance.md).
@@ -141,6 +141,23 @@ if has anchor; then  # ours vs FlashMLA, kernel time per call from ncu, same inp
     done
   else
     note "anchor: no .anchor/ (copy FlashMLA's harness there and carry it)"
+  fi
+fi
+
+if has balance; then  # how evenly the CTAs end, ours and FlashMLA's (ncu, same inputs): benchmarks/sm_balance.py
+  stamp balance
+  if [[ -f .anchor/side_by_side.py ]]; then
+    python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1 || tail -20 "$OUT/fm_build.log"
+    for s in ${KSHAPES:-v32_h128_s2_b64_k2048}; do
+      timeout ${BALANCE_T:-150} ncu --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum,gpc__cycles_elapsed.max,sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_active.min \
+        -k regex:"decode_kernel|sparse|mla" python3 .anchor/side_by_side.py --iters 3 --shapes "$s" \
+        >"$OUT/balance_$s.log" 2>&1
+      python3 benchmarks/sm_balance.py "$OUT/balance_$s.log" "$s" | tee -a "$OUT/balance.txt"
+    done
+    note "balance: $(grep -c 'end/mean' "$OUT/balance.txt") kernels measured"
+  else
+    note "balance: no .anchor/ (copy FlashMLA's harness there and carry it)"
   fi
 fi
 

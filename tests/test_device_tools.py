@@ -2,7 +2,8 @@
 runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, the CTA
 timeline program, the microbenchmarks, the minimal kernels that reproduce racecheck's reports
 (named-barrier, mbarrier and cp.async hand-offs); the parser that turns an ncu log into our
-kernel time per call (benchmarks/kernel_times.py); the split of ncu's source counters by role
+kernel time per call (benchmarks/kernel_times.py) and the one that reads how evenly a
+kernel's CTAs end (benchmarks/sm_balance.py); the split of ncu's source counters by role
 and by how often a line runs (benchmarks/ncu_roles.py); how soon a role's shared-memory stores
 have their source registers overwritten (benchmarks/store_reuse.py); which scoreboard waits
 also wait for global loads issued just before them (benchmarks/sass_waits.py); the NumPy model of the 16-head
@@ -23,6 +24,7 @@ import numpy as np
 import jax_sparse_mla as jsm
 from benchmarks import emulate_f16_products
 from benchmarks.kernel_times import kernel_medians
+from benchmarks.sm_balance import lines_for
 from benchmarks.numerics_probe import model_decode, stale_plan_case, stale_plan_in_the_model
 from benchmarks.sass_text import instructions, parse, regions
 from benchmarks.sass_waits import needless_load_waits, waits
@@ -110,6 +112,40 @@ def test_kernel_times_line_and_incomplete_log(tmp_path):
     log.write_text("".join(NCU_LOG.splitlines(keepends=True)[2:4]))  # a combine and no decode: not a call
     done = subprocess.run([sys.executable, str(script), str(log), "v32_h16"], capture_output=True, text=True, check=True)
     assert "incomplete" in done.stdout
+
+
+def _balance_launch(name, us, elapsed, active_max, active_avg, active_min):
+    return f"""\
+  void {name}(Params) (132, 1, 1)x(384, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
+    Section: Command line profiler metrics
+    Metric Name                 Metric Unit Metric Value
+    gpc__cycles_elapsed.max           cycle      {elapsed:,}
+    gpu__time_duration.sum               us       {us:.2f}
+    sm__cycles_active.avg             cycle   {active_avg:,.2f}
+    sm__cycles_active.max             cycle      {active_max:,}
+    sm__cycles_active.min             cycle       {active_min:,}
+"""
+
+
+def test_sm_balance_reads_each_kernels_spread():
+    # Ours (4 launches: the first dropped as warm-up) beside FlashMLA's, whose launches lack a
+    # metric in one case (not counted); the medians and the ratios of the kept launches.
+    log = "".join(_balance_launch("jsm::cuda::decode_kernel<(jsm::KVFormat)0, (int)2, (bool)1>", us, e, mx, av, 900)
+                  for us, e, mx, av in [(300.0, 600_000, 590_000, 500_000), (164.0, 290_000, 282_000, 270_000),
+                                        (166.0, 292_000, 286_000, 260_000), (165.0, 291_000, 284_000, 265_000)])
+    log += _balance_launch("flash_fwd_splitkv_mla_fp8_sparse_kernel<KernelTemplate<1, 128>, TmaParams<int>>",
+                           182.5, 320_000, 318_000, 310_000, 300_000)
+    log += _balance_launch("flash_fwd_splitkv_mla_fp8_sparse_kernel<KernelTemplate<1, 128>, TmaParams<int>>",
+                           9.0, 1, 1, 1, 1).replace("    sm__cycles_active.min             cycle       1\n", "")
+    out = lines_for(log.splitlines(), "v32_b64")
+    assert len(out) == 2
+    ours, fm = out
+    assert ours.startswith("BALANCE v32_b64 decode_kernel: 4 launches, 165.0 us, 291000 cycles; "
+                           "SM active end 284000 / mean 265000 / shortest 900;")
+    assert f"end/mean {284_000 / 265_000:.4f}; outside 7000" in ours
+    assert fm.startswith("BALANCE v32_b64 flash_fwd_splitkv_mla_fp8_sparse_kernel: 1 launches, 182.5 us")
+    assert f"end/mean {318_000 / 310_000:.4f}; outside 2000" in fm
+    assert lines_for(["no profile here"], "x") == ["BALANCE x: no launches found"]
 
 
 def test_ncu_roles_groups_lines_by_how_often_they_run(tmp_path):
