@@ -6,7 +6,8 @@ kernel time per call (benchmarks/kernel_times.py) and the one that reads how eve
 kernel's CTAs end (benchmarks/sm_balance.py); the split of ncu's source counters by role
 and by how often a line runs (benchmarks/ncu_roles.py); how soon a role's shared-memory stores
 have their source registers overwritten (benchmarks/store_reuse.py); which scoreboard waits
-also wait for global loads issued just before them (benchmarks/sass_waits.py); the NumPy model of the 16-head
+also wait for global loads issued just before them (benchmarks/sass_waits.py); how a role's steady loop
+changed between two builds (benchmarks/sass_loops.py); the NumPy model of the 16-head
 kernel's rounding (benchmarks/numerics_probe.py); and the one of the f16-product variant's
 (benchmarks/emulate_f16_products.py)."""
 
@@ -26,6 +27,7 @@ from benchmarks import emulate_f16_products
 from benchmarks.kernel_times import kernel_medians
 from benchmarks.sm_balance import lines_for
 from benchmarks.numerics_probe import model_decode, stale_plan_case, stale_plan_in_the_model
+from benchmarks.sass_loops import largest_loop, opcode_changes
 from benchmarks.sass_text import instructions, parse, regions
 from benchmarks.sass_waits import needless_load_waits, waits
 from benchmarks.store_reuse import distances
@@ -214,6 +216,32 @@ WAIT_SASS = "".join([
     _sass_line(0x60, "HADD2.F32 R20, -RZ, R8.H0_H0", wait_mask=1 << 5),
     _sass_line(0x70, "EXIT"),
 ])
+
+
+def _loop_sass(body):
+    """A role (region 1) whose loop runs `body` (opcode texts) between 0x0100 and its back-edge,
+    after a short loop at 0x0020 and before a forward branch and the EXIT."""
+    rows = ["USETMAXREG.DEALLOC.CTAPOOL 0x80", "IADD3 R1, R1, 0x1, RZ", "@P0 BRA 0x20", "MOV R2, RZ"]
+    rows += body + ["@P1 BRA 0x100", "@P2 BRA 0x9000", "EXIT", "BRA 0x100"]
+    addrs = [0x10, 0x20, 0x30, 0x40] + [0x100 + 0x10 * i for i in range(len(body) + 4)]
+    return "\n".join(f"        /*{a:04x}*/                   {op} ;" for a, op in zip(addrs, rows))
+
+
+def test_sass_loops_finds_the_steady_loop_and_what_moved():
+    # The loop is 0x0100 up to its back-edge: the body and the branch itself; not the 2-row loop
+    # before it, not the forward branch, and nothing past the EXIT.
+    base = ["UIADD3 UR4, UR4, 0x1, URZ", "USEL UR5, UR4, URZ, !UP0", "LDG.E.128 R8, [R2.64]", "STS.128 [R4], R8"]
+    patched = ["VIADD R6, R6, 0x1", "SEL R7, R6, RZ, !P0", "IMAD.MOV.U32 R9, RZ, RZ, R6",
+               "LDG.E.128 R8, [R2.64]", "STS.128 [R4], R8"]
+    loops = [largest_loop(regions(parse(_loop_sass(body)), sass=lambda ins: ins.op)[0]) for body in (base, patched)]
+    assert [ins.op for ins in loops[0]] == base + ["@P1 BRA 0x100"]
+    assert len(loops[1]) == len(patched) + 1
+    changes = opcode_changes(*loops)
+    assert {op for op, _, _ in changes} == {"UIADD3", "USEL", "VIADD", "SEL", "IMAD.MOV.U32"}
+    assert ("VIADD", 0, 1) in changes and ("UIADD3", 1, 0) in changes
+    no_loop = regions(parse("        /*0010*/  USETMAXREG.DEALLOC.CTAPOOL 0x80 ;\n        /*0020*/  EXIT ;"),
+                      sass=lambda ins: ins.op)
+    assert largest_loop(no_loop[0]) == []
 
 
 def test_sass_waits_finds_a_wait_for_loads_it_does_not_need():
