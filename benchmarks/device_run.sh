@@ -149,8 +149,11 @@ if has balance; then  # how evenly the CTAs end, ours and FlashMLA's (ncu, same 
   if [[ -f .anchor/side_by_side.py ]]; then
     python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1 || tail -20 "$OUT/fm_build.log"
     for s in ${KSHAPES:-v32_h128_s2_b64_k2048}; do
-      timeout ${BALANCE_T:-150} ncu --clock-control none --cache-control none \
-        --metrics gpu__time_duration.sum,gpc__cycles_elapsed.max,sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_active.min \
+      # More than one counter may make ncu replay each launch (memory saved and restored):
+      # BALANCE_METRICS=sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_active.min keeps
+      # to the SMs' own counters if the default is too slow.
+      timeout ${BALANCE_T:-200} ncu --clock-control none --cache-control none \
+        --metrics ${BALANCE_METRICS:-gpu__time_duration.sum,gpc__cycles_elapsed.max,sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_active.min} \
         -k regex:"decode_kernel|sparse|mla" python3 .anchor/side_by_side.py --iters 3 --shapes "$s" \
         >"$OUT/balance_$s.log" 2>&1
       python3 benchmarks/sm_balance.py "$OUT/balance_$s.log" "$s" | tee -a "$OUT/balance.txt"

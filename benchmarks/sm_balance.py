@@ -18,8 +18,9 @@ import sys
 # A launch header: "  void jsm::cuda::decode_kernel<...>(jsm::cuda::Params) (132, 1, 1)x(384, 1, 1), Context 1, ..."
 HEADER = re.compile(r"^\s*(?:void\s+)?([^<(\s]+).*\)x\(")
 METRIC = re.compile(r"^\s*([a-z_]+__[\w.]+)\s+(\S+)\s+([\d.,]+)\s*$")
-METRICS = ("gpu__time_duration.sum", "gpc__cycles_elapsed.max", "sm__cycles_active.max",
-           "sm__cycles_active.avg", "sm__cycles_active.min")
+# The SMs' active cycles are needed; the duration and the elapsed cycles are read when there.
+NEEDED = ("sm__cycles_active.max", "sm__cycles_active.avg", "sm__cycles_active.min")
+METRICS = ("gpu__time_duration.sum", "gpc__cycles_elapsed.max") + NEEDED
 TO_US = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "nsecond": 1e-3, "msecond": 1e3}
 
 
@@ -35,30 +36,47 @@ def launches(lines):
             if m.group(1) == "gpu__time_duration.sum":
                 value *= TO_US[m.group(2)]
             current[m.group(1)] = value
-    return {name: [r for r in runs if all(k in r for k in METRICS)] for name, runs in found.items()}
+    return {name: [r for r in runs if all(k in r for k in NEEDED)] for name, runs in found.items()}
+
+
+def _median(kept, value):
+    """The median of value(launch) over the launches that have what it reads (None: none has)."""
+    got = []
+    for r in kept:
+        try:
+            got.append(value(r))
+        except KeyError:
+            pass
+    return statistics.median(got) if got else None
 
 
 def balance(runs):
     """Medians over the launches after the first quarter, and the ratios read from them."""
     kept = runs[len(runs) // 4:] or runs
-    med = {k: statistics.median(r[k] for r in kept) for k in METRICS}
-    return dict(launches=len(runs), us=med["gpu__time_duration.sum"], elapsed=med["gpc__cycles_elapsed.max"],
-                end=med["sm__cycles_active.max"], mean=med["sm__cycles_active.avg"],
-                shortest=med["sm__cycles_active.min"],
-                end_over_mean=statistics.median(r["sm__cycles_active.max"] / r["sm__cycles_active.avg"] for r in kept),
-                outside=statistics.median(r["gpc__cycles_elapsed.max"] - r["sm__cycles_active.max"] for r in kept))
+    return dict(launches=len(runs), us=_median(kept, lambda r: r["gpu__time_duration.sum"]),
+                elapsed=_median(kept, lambda r: r["gpc__cycles_elapsed.max"]),
+                end=_median(kept, lambda r: r["sm__cycles_active.max"]),
+                mean=_median(kept, lambda r: r["sm__cycles_active.avg"]),
+                shortest=_median(kept, lambda r: r["sm__cycles_active.min"]),
+                end_over_mean=_median(kept, lambda r: r["sm__cycles_active.max"] / r["sm__cycles_active.avg"]),
+                outside=_median(kept, lambda r: r["gpc__cycles_elapsed.max"] - r["sm__cycles_active.max"]))
+
+
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
 
 
 def lines_for(log, shape):
     out = []
     for name, runs in sorted(launches(log).items()):
         if not runs:
-            out.append(f"BALANCE {shape} {name}: no launch with all of {', '.join(METRICS)}")
+            out.append(f"BALANCE {shape} {name}: no launch with all of {', '.join(NEEDED)}")
             continue
         b = balance(runs)
-        out.append(f"BALANCE {shape} {name}: {b['launches']} launches, {b['us']:.1f} us, "
-                   f"{b['elapsed']:.0f} cycles; SM active end {b['end']:.0f} / mean {b['mean']:.0f} / "
-                   f"shortest {b['shortest']:.0f}; end/mean {b['end_over_mean']:.4f}; outside {b['outside']:.0f}")
+        out.append(f"BALANCE {shape} {name}: {b['launches']} launches, {_fmt(b['us'], '.1f')} us, "
+                   f"{_fmt(b['elapsed'], '.0f')} cycles; SM active end {b['end']:.0f} / mean {b['mean']:.0f} / "
+                   f"shortest {b['shortest']:.0f}; end/mean {b['end_over_mean']:.4f}; "
+                   f"outside {_fmt(b['outside'], '.0f')}")
     return out or [f"BALANCE {shape}: no launches found"]
 
 

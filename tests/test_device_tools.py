@@ -148,6 +148,11 @@ def test_sm_balance_reads_each_kernels_spread():
     assert fm.startswith("BALANCE v32_b64 flash_fwd_splitkv_mla_fp8_sparse_kernel: 1 launches, 182.5 us")
     assert f"end/mean {318_000 / 310_000:.4f}; outside 2000" in fm
     assert lines_for(["no profile here"], "x") == ["BALANCE x: no launches found"]
+    # Without the duration and elapsed cycles (a shorter metric list): the SMs' figures alone.
+    short = "".join(line + "\n" for line in log.splitlines() if "gpu__" not in line and "gpc__" not in line)
+    assert lines_for(short.splitlines(), "b")[0].startswith(
+        "BALANCE b decode_kernel: 4 launches, - us, - cycles; SM active end 284000 / mean 265000")
+    assert lines_for(short.splitlines(), "b")[0].endswith("outside -")
 
 
 def test_ncu_roles_groups_lines_by_how_often_they_run(tmp_path):
