@@ -31,6 +31,8 @@ build_tool() {
   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
     -I"$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")" -Iffi -o "$out" "$@"
 }
+# FlashMLA's extension for the harness in .anchor/ (built once, then cached by build_fm.py).
+build_flashmla() { python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1 || tail -20 "$OUT/fm_build.log"; }
 # The patch files of variant $1 (benchmarks/patches/NAME.patch; "a+b": a then b; "base": none).
 patches_of() { [[ $1 == base ]] || tr '+' '\n' <<<"$1" | sed 's#.*#benchmarks/patches/&.patch#'; }
 # Applies variant $1's patches to the tree, recording them (newest first) in `applied`; when
@@ -132,7 +134,7 @@ fi
 if has anchor; then  # ours vs FlashMLA, kernel time per call from ncu, same inputs
   stamp anchor
   if [[ -f .anchor/ktime.sh ]]; then
-    python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1 || tail -20 "$OUT/fm_build.log"
+    build_flashmla
     OUT="$OUT" KSHAPES="${KSHAPES:-v32_h128_s2_b128_k2048}" bash .anchor/ktime.sh 2>&1 | grep -E "KTIME|median"
     note "$(grep KTIME "$OUT/ktime.txt" 2>/dev/null)"
     # A shape that came back without times: the end of its ncu log (the logs stay on the device).
@@ -147,7 +149,7 @@ fi
 if has balance; then  # how evenly the CTAs end, ours and FlashMLA's (ncu, same inputs): benchmarks/sm_balance.py
   stamp balance
   if [[ -f .anchor/side_by_side.py ]]; then
-    python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1 || tail -20 "$OUT/fm_build.log"
+    build_flashmla
     for s in ${KSHAPES:-v32_h128_s2_b64_k2048}; do
       # More than one counter may make ncu replay each launch (memory saved and restored):
       # BALANCE_METRICS=sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_active.min keeps
@@ -208,7 +210,7 @@ if has ncu; then  # hardware counters and per-instruction counts/stalls of one d
     # FlashMLA's decode kernel on the same inputs, same sections (its launches: no JAX warm-up,
     # so the same skip is a steady-state launch too). Two more files: keep STAGES to "build ncu".
     # (its log comes back: session 37's FlashMLA report was missing and nothing said why)
-    python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1
+    build_flashmla
     timeout ${NCU_T:-240} "${ncu_one[@]}" -k regex:flash_fwd_splitkv -o /tmp/prof_fm \
       python3 .anchor/side_by_side.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} >"$OUT/ncu_fm.log" 2>&1
     ncu_pages /tmp/prof_fm.ncu-rep ncu_fm
@@ -335,7 +337,7 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
   # tree installed into its own directory (/tmp/variants/NAME/site), and smoked and timed from
   # there (benchmarks/variant_python.py); the tree itself is not touched. One build's time for
   # all of them instead of one each (~50 s a variant).
-  [[ -f .anchor/ktime.sh && ${VARIANT_TIMER:-ktime} != ours ]] && python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1
+  [[ -f .anchor/ktime.sh && ${VARIANT_TIMER:-ktime} != ours ]] && build_flashmla
   prebuilt() { [[ ${VARIANT_PREBUILD:-0} == 1 ]]; }
   if prebuilt && [[ ${VARIANT_TIMER:-ktime} != ours ]]; then
     # (ktime.sh times the library installed for the process: the tree's build)

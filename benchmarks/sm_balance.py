@@ -14,6 +14,11 @@ import collections
 import re
 import statistics
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.kernel_times import TO_US  # noqa: E402
 
 # A launch header: "  void jsm::cuda::decode_kernel<...>(jsm::cuda::Params) (132, 1, 1)x(384, 1, 1), Context 1, ..."
 HEADER = re.compile(r"^\s*(?:void\s+)?([^<(\s]+).*\)x\(")
@@ -21,7 +26,6 @@ METRIC = re.compile(r"^\s*([a-z_]+__[\w.]+)\s+(\S+)\s+([\d.,]+)\s*$")
 # The SMs' active cycles are needed; the duration and the elapsed cycles are read when there.
 NEEDED = ("sm__cycles_active.max", "sm__cycles_active.avg", "sm__cycles_active.min")
 METRICS = ("gpu__time_duration.sum", "gpc__cycles_elapsed.max") + NEEDED
-TO_US = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "nsecond": 1e-3, "msecond": 1e3}
 
 
 def launches(lines):
