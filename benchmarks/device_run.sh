@@ -158,6 +158,7 @@ if has balance; then  # how evenly the CTAs end, ours and FlashMLA's (ncu, same 
         --metrics ${BALANCE_METRICS:-gpu__time_duration.sum,gpc__cycles_elapsed.max,sm__cycles_active.max,sm__cycles_active.avg,sm__cycles_active.min} \
         -k regex:"decode_kernel|sparse|mla" python3 .anchor/side_by_side.py --iters 3 --shapes "$s" \
         >"$OUT/balance_$s.log" 2>&1
+      [[ $? == 124 ]] && note "balance $s: ncu cut at BALANCE_T=${BALANCE_T:-200} s (session 42: b128 needs more than 120)"
       python3 benchmarks/sm_balance.py "$OUT/balance_$s.log" "$s" | tee -a "$OUT/balance.txt"
     done
     note "balance: $(grep -c 'end/mean' "$OUT/balance.txt") kernels measured"
