@@ -1,6 +1,7 @@
 """The device-side tools in benchmarks/ still build against the current kernel sources (their
 runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, the CTA
-timeline program, the microbenchmarks, the minimal kernels that reproduce racecheck's reports
+timeline program, the microbenchmarks, the kernel variants prepared in benchmarks/patches,
+the minimal kernels that reproduce racecheck's reports
 (named-barrier, mbarrier and cp.async hand-offs); the parser that turns an ncu log into our
 kernel time per call (benchmarks/kernel_times.py) and the one that reads how evenly a
 kernel's CTAs end (benchmarks/sm_balance.py); the split of ncu's source counters by role
@@ -11,6 +12,7 @@ changed between two builds (benchmarks/sass_loops.py); the NumPy model of the 16
 kernel's rounding (benchmarks/numerics_probe.py); and the one of the f16-product variant's
 (benchmarks/emulate_f16_products.py)."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -67,11 +69,38 @@ def test_decode_harness_builds(tmp_path, program, kernels, flags):
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
-@pytest.mark.parametrize("name", ["tile_exchange", "wgmma_chains", "convert_rs"])
+@pytest.mark.parametrize("name", ["tile_exchange", "wgmma_chains", "convert_rs", "p_handoff"])
 def test_microbenchmark_builds(tmp_path, name):
     # The microbenchmarks device_run.sh's stage `micro` runs, against the kernels' headers.
     done = _builds(tmp_path, [f"benchmarks/micro/{name}.cu"])
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# Kernel variants prepared for a GPU session (benchmarks/patches, applied in order by
+# device_run.sh's stage `variants`): each stack still applies to the sources, and its kernels
+# compile with no wgmma serialized and O kept in registers (ptxas reports a few bytes of
+# spills on rare paths; the seesaw's first drafts kept O in local memory, kilobytes).
+_VARIANTS = ["seesaw", "seesaw+seesaw_own_ss"]
+_MAX_SPILL_BYTES = 64
+
+
+@pytest.mark.skipif(NVCC is None, reason="needs nvcc")
+@pytest.mark.parametrize("stack", _VARIANTS)
+def test_prepared_variant_builds(tmp_path, stack):
+    shutil.copytree(ROOT / "ffi", tmp_path / "ffi")
+    for name in stack.split("+"):
+        done = subprocess.run(["git", "apply", str(ROOT / "benchmarks" / "patches" / f"{name}.patch")],
+                              cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, f"{name}.patch: {done.stderr}"
+    cmd = [NVCC, "-std=c++17", "-O2", ARCH, "--expt-relaxed-constexpr", "-Xptxas", "-v", "-cubin",
+           f"-I{jax.ffi.include_dir()}", f"-I{tmp_path / 'ffi'}", "-o", str(tmp_path / "k.cubin"),
+           str(tmp_path / "ffi" / "cuda" / "decode_launch.cu")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    serialized = [line for line in done.stderr.splitlines() if "instructions are serialized" in line]
+    assert not serialized, "\n".join(serialized)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr)]
+    assert spills and max(spills) <= _MAX_SPILL_BYTES, spills
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
