@@ -1,6 +1,7 @@
 """The device-side tools in benchmarks/ still build against the current kernel sources (their
 runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, the CTA
-timeline program, the microbenchmarks, the kernel variants prepared in benchmarks/patches,
+timeline program, the microbenchmarks, the kernel variants prepared in benchmarks/patches
+(and the model of the alternating consumers' hand-offs, benchmarks/seesaw_protocol.py),
 the minimal kernels that reproduce racecheck's reports
 (named-barrier, mbarrier and cp.async hand-offs); the parser that turns an ncu log into our
 kernel time per call (benchmarks/kernel_times.py) and the one that reads how evenly a
@@ -32,6 +33,7 @@ from benchmarks.numerics_probe import model_decode, stale_plan_case, stale_plan_
 from benchmarks.sass_loops import largest_loop, opcode_changes
 from benchmarks.sass_text import instructions, parse, regions
 from benchmarks.sass_waits import needless_load_waits, waits
+from benchmarks.seesaw_protocol import random_walks
 from benchmarks.store_reuse import distances
 from tests.utils import assert_out_close, cosine_difference, fresh_rng
 from tests.utils.np_reference import np_sparse_mla_decode
@@ -101,6 +103,14 @@ def test_prepared_variant_builds(tmp_path, stack):
     assert not serialized, "\n".join(serialized)
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr)]
     assert spills and max(spills) <= _MAX_SPILL_BYTES, spills
+
+
+def test_seesaw_protocol_model():
+    # The alternating consumers' hand-offs (seesaw.patch) under random interleavings: no
+    # deadlock, every read of the block it expects; and one barrier for both directions, the
+    # flaw the design avoids, is caught.
+    assert random_walks(300) == []
+    assert random_walks(300, one_barrier=True)
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
