@@ -82,7 +82,7 @@ def test_microbenchmark_builds(tmp_path, name):
 # device_run.sh's stage `variants`): each stack still applies to the sources, and its kernels
 # compile with no wgmma serialized and O kept in registers (ptxas reports a few bytes of
 # spills on rare paths; the seesaw's first drafts kept O in local memory, kilobytes).
-_VARIANTS = ["seesaw", "seesaw+seesaw_own_ss"]
+_VARIANTS = ["seesaw", "seesaw+seesaw_own_ss", "seesaw+seesaw_qk_split"]
 _MAX_SPILL_BYTES = 64
 
 
