@@ -43,12 +43,20 @@ NVCC = shutil.which("nvcc")
 ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 
 
-def _builds(tmp_path, sources, *flags):
-    """nvcc compiles and links `sources` (paths under the repository) for sm_90a, with the
-    include paths of the kernels (theirs and XLA FFI's): returns the compiler's result."""
+def _builds(tmp_path, sources, *flags, root=ROOT):
+    """nvcc compiles and links `sources` (paths under `root`, the repository or a copy of it) for
+    sm_90a, with the include paths of the kernels (theirs and XLA FFI's): returns the
+    compiler's result."""
     cmd = [NVCC, "-std=c++17", "-O1", ARCH, "--expt-relaxed-constexpr", *flags, f"-I{jax.ffi.include_dir()}",
-           f"-I{ROOT / 'ffi'}", "-o", str(tmp_path / "program"), *(str(ROOT / src) for src in sources)]
+           f"-I{root / 'ffi'}", "-o", str(tmp_path / "program"), *(str(root / src) for src in sources)]
     return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def _serialized(stderr):
+    """ptxas's C7511 / C7512 / C7514 lines: it could not keep some wgmma's registers apart from
+    other code, and put a wait after every wgmma of the kernel. Such a kernel builds and
+    computes right but runs its products one at a time (docs/performance.md)."""
+    return [line for line in stderr.splitlines() if "instructions are serialized" in line]
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
@@ -63,11 +71,7 @@ def test_decode_harness_builds(tmp_path, program, kernels, flags):
     # what a pair producer sends its peer, which the stage `timeline` builds).
     done = _builds(tmp_path, [f"benchmarks/{program}", *(f"ffi/cuda/{k}" for k in kernels)], *flags)
     assert done.returncode == 0, done.stderr[-3000:]
-    # ptxas's C7511 / C7512 / C7514: it could not keep some wgmma's registers apart from other
-    # code, and put a wait after every wgmma of the kernel. Such a kernel builds and computes
-    # right but runs its products one at a time (docs/performance.md).
-    serialized = [line for line in done.stderr.splitlines() if "instructions are serialized" in line]
-    assert not serialized, "\n".join(serialized)
+    assert not _serialized(done.stderr), "\n".join(_serialized(done.stderr))
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
@@ -94,13 +98,9 @@ def test_prepared_variant_builds(tmp_path, stack):
         done = subprocess.run(["git", "apply", str(ROOT / "benchmarks" / "patches" / f"{name}.patch")],
                               cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode == 0, f"{name}.patch: {done.stderr}"
-    cmd = [NVCC, "-std=c++17", "-O2", ARCH, "--expt-relaxed-constexpr", "-Xptxas", "-v", "-cubin",
-           f"-I{jax.ffi.include_dir()}", f"-I{tmp_path / 'ffi'}", "-o", str(tmp_path / "k.cubin"),
-           str(tmp_path / "ffi" / "cuda" / "decode_launch.cu")]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = _builds(tmp_path, ["ffi/cuda/decode_launch.cu"], "-cubin", "-Xptxas", "-v", root=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    serialized = [line for line in done.stderr.splitlines() if "instructions are serialized" in line]
-    assert not serialized, "\n".join(serialized)
+    assert not _serialized(done.stderr), "\n".join(_serialized(done.stderr))
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr)]
     assert spills and max(spills) <= _MAX_SPILL_BYTES, spills
 
