@@ -411,3 +411,17 @@ def test_variant_python_imports_the_variant(tmp_path):
     assert out.split() == ["patched", "['-c',", "'y']"]
     bad = subprocess.run([*run[:2], str(tmp_path / "none"), "-c", "pass"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode != 0 and "no jax_sparse_mla in" in bad.stderr
+
+
+@pytest.mark.parametrize("verdict, time_failed, timed", [
+    ("SMOKE 15/15 ok", "0", True), ("SMOKE 12/15 ok", "0", False), ("SMOKE 12/15 ok", "1", True),
+    ("SMOKE crashed", "1", False), ("SMOKE crashed", "0", False)])
+def test_variant_timing_follows_the_smoke(verdict, time_failed, timed):
+    # device_run.sh's stage `variants` times a variant whose smoke table passed; with
+    # VARIANT_TIME_FAILED=1 also one whose table ran to its end with wrong cases, never one that
+    # crashed or ran out of time (no verdict: its kernels may hang under ncu too).
+    script = (ROOT / "benchmarks" / "device_run.sh").read_text()
+    helpers = re.search(r"^smoke_passed\(\).*?^}\n", script, re.S | re.M).group(0)
+    done = subprocess.run(["bash", "-c", f'{helpers}\nsmoke_lets_time "$1"', "-", verdict],
+                          env={"VARIANT_TIME_FAILED": time_failed, "PATH": "/usr/bin:/bin"})
+    assert (done.returncode == 0) == timed
