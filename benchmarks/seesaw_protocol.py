@@ -10,6 +10,12 @@ same block. The model follows `consume`'s control flow by hand: change both toge
 
 `one_barrier=True` hands every block's P over one barrier ID, the flaw the design avoids
 (an owner's arrival meeting its own sync of the next phase): the model must catch it.
+`split_release=True` models seesaw_split_release.patch: each warpgroup releases a buffer on
+its own `empty` barrier, and the producer refills the value columns of the block's owner
+first, then the rest once the other released too (V32's P, kept in the RoPE columns, is
+overwritten then). `mistake` makes the producer wait for the two releases the other way round
+("swapped_waits": the owner's columns stored behind the other's release) or store the RoPE
+columns in the first part ("rope_first"): the model must catch both.
 """
 import random
 import sys
@@ -25,16 +31,20 @@ class _MBar:  # an mbarrier: `phase` completed phases
         self.need, self.count, self.phase = need, 0, 0
 
 
-def run(pieces, seed, one_barrier=False):
+def run(pieces, seed, one_barrier=False, split_release=False, mistake=None):
     """The errors (strings) of one walk over pieces of the given lengths under the interleaving
     `seed` picks; [] when it ran through."""
     rnd = random.Random(seed)
     steps = [dict(piece=p, last=j == length - 1, walk_ends=False) for p, length in enumerate(pieces)
              for j in range(length)]
     steps[-1]["walk_ends"] = True
-    full, empty, qfull = [_MBar(1), _MBar(1)], [_MBar(2), _MBar(2)], _MBar(1)
+    full, qfull = [_MBar(1), _MBar(1)], _MBar(1)
+    # empty[buf][wg]: with split_release one barrier a warpgroup (one arrival), else one a buffer
+    empty = ([[_MBar(1), _MBar(1)] for _ in range(2)] if split_release
+             else [[_MBar(2)] * 2 for _ in range(2)])
     bars = {i: _Named() for i in (1, 2, 3)}
-    tile, pbuf, rec, final, q = [None, None], [None, None], [None, None], [None, None], [None]
+    # A tile's parts: the value columns of warpgroup 0 and 1, the rest (RoPE columns, valid words)
+    tile, pbuf, rec, final, q = [[None] * 3, [None] * 3], [None, None], [None, None], [None, None], [None]
     err = []
 
     def check(ok, msg):
@@ -71,11 +81,29 @@ def run(pieces, seed, one_barrier=False):
 
     def producer():
         for n in range(len(steps)):
-            if n >= 2:  # (the first two buffers start free)
-                yield from mb_wait(empty[n & 1], ((n >> 1) & 1) ^ 1)
-            tile[n & 1] = n
-            mb_arrive(full[n & 1])
+            b, parity = n & 1, ((n >> 1) & 1) ^ 1
+            if split_release:
+                first = n & 1  # the owner of block n - 2, which releases its columns first
+                waits = (1 - first, first) if mistake == "swapped_waits" else (first, 1 - first)
+                if n >= 2:  # (the first two buffers start free)
+                    yield from mb_wait(empty[b][waits[0]], parity)
+                tile[b][first] = n
+                if mistake == "rope_first":
+                    tile[b][2], pbuf[b] = n, None
+                yield
+                if n >= 2:
+                    yield from mb_wait(empty[b][waits[1]], parity)
+                tile[b][1 - first] = tile[b][2] = n
+                pbuf[b] = None  # (V32: P is in the RoPE columns)
+            else:
+                if n >= 2:
+                    yield from mb_wait(empty[b][0], parity)
+                tile[b] = [n] * 3
+            mb_arrive(full[b])
             yield
+
+    def holds(buf, n, *parts):
+        return all(tile[buf][k] == n for k in parts)
 
     def load_q(piece):
         q[0] = piece
@@ -95,12 +123,12 @@ def run(pieces, seed, one_barrier=False):
                     continue
                 yield from mb_wait(full[buf], (n >> 1) & 1)
                 yield from bar_sync(p_ready(buf), wg, ("other", n))
-                check(rec[buf] == n and pbuf[buf] == n and tile[buf] == n,
+                check(rec[buf] == n and pbuf[buf] == n and holds(buf, n, wg),
                       f"wg{wg}: the other's block {n} reads record {rec[buf]}, P {pbuf[buf]}, tile {tile[buf]}")
                 o.append(n)
                 yield  # (the P V runs)
-                check(tile[buf] == n and pbuf[buf] == n, f"wg{wg}: block {n} overwritten under its P V")
-                mb_arrive(empty[buf])
+                check(holds(buf, n, wg) and pbuf[buf] == n, f"wg{wg}: block {n} overwritten under its P V")
+                mb_arrive(empty[buf][wg])
             else:
                 help_ = n > 0 and not first
                 if q_piece != piece:
@@ -109,19 +137,19 @@ def run(pieces, seed, one_barrier=False):
                 yield from mb_wait(full[buf], (n >> 1) & 1)
                 if help_:
                     yield from mb_wait(full[prev & 1], ((n - 1) >> 1) & 1)
-                check(tile[buf] == n and q[0] == st["piece"],
+                check(holds(buf, n, 0, 1, 2) and q[0] == st["piece"],
                       f"wg{wg}: QK({n}) reads tile {tile[buf]} and Q of piece {q[0]}")
                 if help_:
                     pb = prev & 1
                     yield from bar_sync(p_ready(pb), wg, ("help", prev))
-                    check(prev == n - 1 and rec[pb] == prev and pbuf[pb] == prev and tile[pb] == prev,
+                    check(prev == n - 1 and rec[pb] == prev and pbuf[pb] == prev and holds(pb, prev, wg),
                           f"wg{wg}: helping block {prev} reads record {rec[pb]}, P {pbuf[pb]}, tile {tile[pb]}")
                     chain = prev
                     o.append(prev)
                     yield  # (QK and the other's P V run)
-                    check(tile[pb] == prev and pbuf[pb] == prev and tile[buf] == n,
+                    check(holds(pb, prev, wg) and pbuf[pb] == prev and holds(buf, n, 0, 1, 2),
                           f"wg{wg}: block {prev} or {n} overwritten under its products")
-                    mb_arrive(empty[pb])
+                    mb_arrive(empty[pb][wg])
                 else:
                     chain = None
                 yield
@@ -132,8 +160,8 @@ def run(pieces, seed, one_barrier=False):
                 bar_count(p_ready(buf), "arrive", wg, ("own", n))
                 o.append(n)
                 yield  # (its own P V runs)
-                check(tile[buf] == n, f"wg{wg}: block {n} overwritten under its own P V")
-                mb_arrive(empty[buf])
+                check(holds(buf, n, wg), f"wg{wg}: block {n} overwritten under its own P V")
+                mb_arrive(empty[buf][wg])
             first = st["last"]
             if st["last"]:
                 if own:
@@ -160,20 +188,20 @@ def run(pieces, seed, one_barrier=False):
     return [f"no progress: {sorted(map(str, actors))} still waiting"]
 
 
-def random_walks(count, one_barrier=False):
+def random_walks(count, one_barrier=False, split_release=False, mistake=None):
     """(seed, pieces, errors) of each failing walk of `count` random ones."""
     failures = []
     for seed in range(count):
         r = random.Random(seed)
         pieces = [r.choice([1, 1, 2, 3, 4, 5, 8]) for _ in range(r.randint(1, 6))]
-        errors = run(pieces, seed, one_barrier)
+        errors = run(pieces, seed, one_barrier, split_release, mistake)
         if errors:
             failures.append((seed, pieces, errors))
     return failures
 
 
 if __name__ == "__main__":
-    found = random_walks(int(sys.argv[1]) if len(sys.argv) > 1 else 1000)
+    found = random_walks(int(sys.argv[1]) if len(sys.argv) > 1 else 1000, split_release="--split" in sys.argv)
     for seed, pieces, errors in found[:5]:
         print(seed, pieces, errors[:3])
     print(f"{len(found)} failing walks")

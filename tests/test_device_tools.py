@@ -86,7 +86,8 @@ def test_microbenchmark_builds(tmp_path, name):
 # device_run.sh's stage `variants`): each stack still applies to the sources, and its kernels
 # compile with no wgmma serialized and O kept in registers (ptxas reports a few bytes of
 # spills on rare paths; the seesaw's first drafts kept O in local memory, kilobytes).
-_VARIANTS = ["seesaw", "seesaw+seesaw_own_ss", "seesaw+seesaw_qk_split"]
+_VARIANTS = ["seesaw", "seesaw+seesaw_own_ss", "seesaw+seesaw_qk_split", "seesaw+seesaw_split_release",
+             "seesaw+seesaw_own_ss+seesaw_split_release"]
 _MAX_SPILL_BYTES = 64
 
 
@@ -111,6 +112,16 @@ def test_seesaw_protocol_model():
     # flaw the design avoids, is caught.
     assert random_walks(300) == []
     assert random_walks(300, one_barrier=True)
+
+
+@pytest.mark.parametrize("mistake", ["swapped_waits", "rope_first"])
+def test_split_release_protocol_model(mistake):
+    # seesaw_split_release.patch: each consumer releases a buffer on its own barrier and the
+    # producer refills the owner's value columns first. The model passes, and catches a
+    # producer that waits for the releases the other way round or stores the RoPE columns
+    # (V32's P) in the first part.
+    assert random_walks(300, split_release=True) == []
+    assert random_walks(300, split_release=True, mistake=mistake)
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
