@@ -87,7 +87,8 @@ def test_microbenchmark_builds(tmp_path, name):
 # compile with no wgmma serialized and O kept in registers (ptxas reports a few bytes of
 # spills on rare paths; the seesaw's first drafts kept O in local memory, kilobytes).
 _VARIANTS = ["seesaw", "seesaw+seesaw_own_ss", "seesaw+seesaw_qk_split", "seesaw+seesaw_split_release",
-             "seesaw+seesaw_own_ss+seesaw_split_release", "seesaw+seesaw_qk_split+seesaw_split_release_on_qk_split"]
+             "seesaw+seesaw_own_ss+seesaw_split_release", "seesaw+seesaw_qk_split+seesaw_split_release_on_qk_split",
+             "p_per_block"]
 _MAX_SPILL_BYTES = 64
 
 
