@@ -1,7 +1,6 @@
 """The device-side tools in benchmarks/ still build against the current kernel sources (their
 runs need a GPU; CI has nvcc): the standalone decode harness the sanitizers run on, the CTA
-timeline program, the microbenchmarks, the kernel variants prepared in benchmarks/patches
-(and the model of the alternating consumers' hand-offs, benchmarks/seesaw_protocol.py),
+timeline program, the microbenchmarks, the kernel variants prepared in benchmarks/patches,
 the minimal kernels that reproduce racecheck's reports
 (named-barrier, mbarrier and cp.async hand-offs); the parser that turns an ncu log into our
 kernel time per call (benchmarks/kernel_times.py) and the one that reads how evenly a
@@ -33,7 +32,6 @@ from benchmarks.numerics_probe import model_decode, stale_plan_case, stale_plan_
 from benchmarks.sass_loops import largest_loop, opcode_changes
 from benchmarks.sass_text import instructions, parse, regions
 from benchmarks.sass_waits import needless_load_waits, waits
-from benchmarks.seesaw_protocol import random_walks
 from benchmarks.store_reuse import distances
 from tests.utils import assert_out_close, cosine_difference, fresh_rng
 from tests.utils.np_reference import np_sparse_mla_decode
@@ -75,7 +73,7 @@ def test_decode_harness_builds(tmp_path, program, kernels, flags):
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
-@pytest.mark.parametrize("name", ["tile_exchange", "wgmma_chains", "convert_rs", "p_handoff"])
+@pytest.mark.parametrize("name", ["tile_exchange", "wgmma_chains", "convert_rs"])
 def test_microbenchmark_builds(tmp_path, name):
     # The microbenchmarks device_run.sh's stage `micro` runs, against the kernels' headers.
     done = _builds(tmp_path, [f"benchmarks/micro/{name}.cu"])
@@ -85,10 +83,8 @@ def test_microbenchmark_builds(tmp_path, name):
 # Kernel variants prepared for a GPU session (benchmarks/patches, applied in order by
 # device_run.sh's stage `variants`): each stack still applies to the sources, and its kernels
 # compile with no wgmma serialized and O kept in registers (ptxas reports a few bytes of
-# spills on rare paths; the seesaw's first drafts kept O in local memory, kilobytes).
-_VARIANTS = ["seesaw", "seesaw+seesaw_own_ss", "seesaw+seesaw_qk_split", "seesaw+seesaw_split_release",
-             "seesaw+seesaw_own_ss+seesaw_split_release", "seesaw+seesaw_qk_split+seesaw_split_release_on_qk_split",
-             "p_per_block"]
+# spills on rare paths; session 43's first seesaw drafts kept O in local memory, kilobytes).
+_VARIANTS = ["p_per_block"]
 _MAX_SPILL_BYTES = 64
 
 
@@ -105,24 +101,6 @@ def test_prepared_variant_builds(tmp_path, stack):
     assert not _serialized(done.stderr), "\n".join(_serialized(done.stderr))
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr)]
     assert spills and max(spills) <= _MAX_SPILL_BYTES, spills
-
-
-def test_seesaw_protocol_model():
-    # The alternating consumers' hand-offs (seesaw.patch) under random interleavings: no
-    # deadlock, every read of the block it expects; and one barrier for both directions, the
-    # flaw the design avoids, is caught.
-    assert random_walks(300) == []
-    assert random_walks(300, one_barrier=True)
-
-
-@pytest.mark.parametrize("mistake", ["swapped_waits", "rope_first"])
-def test_split_release_protocol_model(mistake):
-    # seesaw_split_release.patch: each consumer releases a buffer on its own barrier and the
-    # producer refills the owner's value columns first. The model passes, and catches a
-    # producer that waits for the releases the other way round or stores the RoPE columns
-    # (V32's P) in the first part.
-    assert random_walks(300, split_release=True) == []
-    assert random_walks(300, split_release=True, mistake=mistake)
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")

@@ -55,31 +55,6 @@ __device__ __forceinline__ void wgmma_wait() {
 // proxy (wgmma operand reads).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Four 8 x 8 matrices of 16-bit elements into shared memory, matrix j from register j of
-// every lane (lane l: row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1, as an mma fragment);
-// lanes 8 j .. 8 j + 7 give the addresses of matrix j's rows (16 contiguous bytes each).
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(m0), "r"(m1),
-               "r"(m2), "r"(m3)
-               : "memory");
-}
-
-// A 64 x 64 bf16 operand held as the A fragments of four m64nNk16 k-steps (a[4 ks + e] of
-// thread t of the warpgroup: rows 16 (t / 32) + (t % 32) / 4 + 8 (e % 2), columns 16 ks +
-// 8 (e / 2) + 2 (t % 4) and the next, the accumulator layout below) into the interleaved
-// layout at `dst` (64 rows: desc_k_major(dst, 64) reads it back as a K-major A or B).
-// One stmatrix a k-step: its matrix e is fragment e; a warp's matrix is 128 contiguous
-// bytes, so no bank conflicts.
-__device__ __forceinline__ void store_fragments_64x64(uint32_t dst, const uint32_t (&a)[16], int t) {
-  constexpr int kGroup = 64 * 16;  // bytes of one column group
-  const int lane = t & 31;
-  const int row = 16 * (t >> 5) + (lane & 7) + 8 * ((lane >> 3) & 1);
-  const uint32_t at = dst + (lane >> 4) * kGroup + row * 16;
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks)
-    stmatrix_x4(at + ks * 2 * kGroup, a[4 * ks], a[4 * ks + 1], a[4 * ks + 2], a[4 * ks + 3]);
-}
-
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
