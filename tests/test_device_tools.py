@@ -51,7 +51,7 @@ def _builds(tmp_path, sources, *flags, root=ROOT):
 
 
 def _serialized(stderr):
-    """ptxas's C7511 / C7512 / C7514 lines: it could not keep some wgmma's registers apart from
+    """ptxas's C7511 / C7512 / C7514 / C7515 lines: it could not keep some wgmma's registers apart from
     other code, and put a wait after every wgmma of the kernel. Such a kernel builds and
     computes right but runs its products one at a time (docs/performance.md)."""
     return [line for line in stderr.splitlines() if "instructions are serialized" in line]
@@ -91,7 +91,8 @@ _MAX_SPILL_BYTES = 64
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc")
 @pytest.mark.parametrize("stack", _VARIANTS)
 def test_prepared_variant_builds(tmp_path, stack):
-    shutil.copytree(ROOT / "ffi", tmp_path / "ffi")
+    for tree in ("ffi", "benchmarks"):  # (a patch may touch the timeline program too)
+        shutil.copytree(ROOT / tree, tmp_path / tree)
     for name in stack.split("+"):
         done = subprocess.run(["git", "apply", str(ROOT / "benchmarks" / "patches" / f"{name}.patch")],
                               cwd=tmp_path, capture_output=True, text=True)
@@ -99,6 +100,9 @@ def test_prepared_variant_builds(tmp_path, stack):
     done = _builds(tmp_path, ["ffi/cuda/decode_launch.cu"], "-cubin", "-Xptxas", "-v", root=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not _serialized(done.stderr), "\n".join(_serialized(done.stderr))
+    timeline = _builds(tmp_path, ["benchmarks/micro/cta_timeline.cu", "ffi/cuda/decode_launch.cu"], "-DJSM_CTA_TIMELINE",
+                       root=tmp_path)
+    assert timeline.returncode == 0, timeline.stderr[-3000:]
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr)]
     assert spills and max(spills) <= _MAX_SPILL_BYTES, spills
 
