@@ -84,7 +84,7 @@ def test_microbenchmark_builds(tmp_path, name):
 # device_run.sh's stage `variants`): each stack still applies to the sources, and its kernels
 # compile with no wgmma serialized and O kept in registers (ptxas reports a few bytes of
 # spills on rare paths; session 43's first seesaw drafts kept O in local memory, kilobytes).
-_VARIANTS = ["p_per_block"]
+_VARIANTS: list[str] = []  # none prepared now (p_per_block measured flat, session 45)
 _MAX_SPILL_BYTES = 64
 
 
@@ -419,3 +419,20 @@ def test_variant_timing_follows_the_smoke(verdict, time_failed, timed):
     done = subprocess.run(["bash", "-c", f'{helpers}\nsmoke_lets_time "$1"', "-", verdict],
                           env={"VARIANT_TIME_FAILED": time_failed, "PATH": "/usr/bin:/bin"})
     assert (done.returncode == 0) == timed
+
+
+@pytest.mark.parametrize("variant, patches, args, file_name", [
+    ("base", "", "-DCMAKE_CUDA_FLAGS=", "base"),
+    ("a+b", "benchmarks/patches/a.patch benchmarks/patches/b.patch", "-DCMAKE_CUDA_FLAGS=", "a_and_b"),
+    ("base@5", "", "-DCMAKE_CUDA_FLAGS=-DJSM_TIMING_EXPERIMENT=5", "base_experiment5"),
+    ("a+b@12", "benchmarks/patches/a.patch benchmarks/patches/b.patch",
+     "-DCMAKE_CUDA_FLAGS=-DJSM_TIMING_EXPERIMENT=12", "a_and_b_experiment12")])
+def test_variant_names_give_patches_build_flags_and_file_names(variant, patches, args, file_name):
+    # device_run.sh's variants: a patch stack with an optional "@N" timing experiment (a
+    # compile flag, no patch file), and a file name the transfer back accepts.
+    script = (ROOT / "benchmarks" / "device_run.sh").read_text()
+    helpers = re.search(r"^patches_of\(\).*?^file_name_of\(\).*?\n", script, re.S | re.M).group(0)
+    probe = 'echo $(patches_of "$1"); cmake_args_of "$1"; file_name_of "$1"'
+    done = subprocess.run(["bash", "-c", f"{helpers}\n{probe}", "-", variant], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin"}, check=True)
+    assert done.stdout.splitlines() == [patches, args, file_name]
