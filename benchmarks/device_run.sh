@@ -33,8 +33,17 @@ build_tool() {
 }
 # FlashMLA's extension for the harness in .anchor/ (built once, then cached by build_fm.py).
 build_flashmla() { python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1 || tail -20 "$OUT/fm_build.log"; }
-# The patch files of variant $1 (benchmarks/patches/NAME.patch; "a+b": a then b; "base": none).
-patches_of() { [[ $1 == base ]] || tr '+' '\n' <<<"$1" | sed 's#.*#benchmarks/patches/&.patch#'; }
+# A variant is a patch stack, "a+b" (benchmarks/patches/a.patch, then b's) or "base" (none),
+# with an optional "@N": built with -DJSM_TIMING_EXPERIMENT=N (decode_common.cuh; results
+# wrong, so not smoked, only timed), e.g. "base@5". Its patch files, its timing experiment
+# (0: none), its CMake arguments, and its name in file names (the transfer back refuses "+").
+patches_of() { local s=${1%@*}; [[ $s == base ]] || tr '+' '\n' <<<"$s" | sed 's#.*#benchmarks/patches/&.patch#'; }
+experiment_of() { [[ $1 == *@* ]] && echo "${1##*@}" || echo 0; }
+cmake_args_of() {
+  local m; m=$(experiment_of "$1")
+  [[ $m == 0 ]] && echo "-DCMAKE_CUDA_FLAGS=" || echo "-DCMAKE_CUDA_FLAGS=-DJSM_TIMING_EXPERIMENT=$m"
+}
+file_name_of() { local f=${1//+/_and_}; echo "${f//@/_experiment}"; }
 # Applies variant $1's patches to the tree, recording them (newest first) in `applied`; when
 # one does not apply, reverts the others and fails. revert_variant undoes a successful one.
 apply_variant() {
@@ -358,11 +367,12 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
     # Each name once: a name listed twice (a bracketing "base ... base") is timed twice from
     # one build (two builds into one directory at once corrupt it).
     for v in $(tr ' ' '\n' <<<"${VARIANTS:-base}" | awk 'NF && !seen[$0]++'); do
-      vf=${v//+/_and_}; dir=/tmp/variants/$vf
+      vf=$(file_name_of "$v"); dir=/tmp/variants/$vf
       mkdir -p "$dir/src"
       tar c --exclude=./build --exclude=./.anchor --exclude=./.git --exclude=./.whl . | tar x -C "$dir/src"
       ( cd "$dir/src" && for patch in $(patches_of "$v"); do git apply "$patch" || exit 1; done &&
-        python3 -m pip install --no-build-isolation --no-deps --target "$dir/site" . ; echo $? >"$dir/rc"
+        CMAKE_ARGS="$(cmake_args_of "$v")" python3 -m pip install --no-build-isolation --no-deps --target "$dir/site" .
+        echo $? >"$dir/rc"
       ) >"$OUT/build_$vf.log" 2>&1 &
     done
     wait
@@ -373,7 +383,7 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
   fi
   for v in ${VARIANTS:-base}; do
     stamp "variant $v"
-    vf=${v//+/_and_}  # file names: the transfer back refuses a "+"
+    vf=$(file_name_of "$v")
     applied=()
     if prebuilt; then
       # (no rc file: a patch did not apply; rc: pip's exit status)
@@ -389,12 +399,16 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
       changed=$(for patch in $(patches_of "$v") $last_patches; do git apply --numstat "$patch" | cut -f3; done)
       if [[ -z $changed ]]; then :; elif grep -qv '\.cu$' <<<"$changed"; then touch ffi/cuda/*; else touch $changed; fi
       last_patches=$(patches_of "$v")
-      build_tree "-DCMAKE_CUDA_FLAGS=" "$OUT/build_$vf.log"; built=$?
+      build_tree "$(cmake_args_of "$v")" "$OUT/build_$vf.log"; built=$?
     fi
     if [[ $built == 0 ]]; then
-      timeout ${SMOKE_T:-150} "${py[@]}" benchmarks/gpu_smoke.py >"$OUT/smoke_$vf.log" 2>&1
-      line=$(smoke_line "$OUT/smoke_$vf.log")
-      note "$v: $line"
+      if [[ $(experiment_of "$v") == 0 ]]; then
+        timeout ${SMOKE_T:-150} "${py[@]}" benchmarks/gpu_smoke.py >"$OUT/smoke_$vf.log" 2>&1
+        line=$(smoke_line "$OUT/smoke_$vf.log")
+        note "$v: $line"
+      else  # (wrong by design: a hang would still end at ncu's timeout)
+        line="SMOKE 0/0 not run (timing experiment $(experiment_of "$v"))"
+      fi
       if smoke_lets_time "$line" && [[ ${VARIANT_TIMER:-ktime} == ours && -f .anchor/side_by_side.py ]]; then
         # Our kernels alone under ncu (FlashMLA's time does not change from variant to variant:
         # take it once, from a `base` variant or the anchor stage, and save its launches here).
