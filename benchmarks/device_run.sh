@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session in one command: build, smoke table, GPU tests, benchmark, memcheck.
 # Logs go to $OUT (the device tool brings them back); each verdict is printed as it comes.
-#   STAGES="build smoke pytest bench diag ktime anchor balance trace ncu sanitize racecheck harness timeline micro variants" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
+#   STAGES="build smoke pytest bench ktime anchor balance trace ncu sanitize racecheck harness timeline micro variants" SHAPES="..." ITERS=10 bash benchmarks/device_run.sh
 # Stage `anchor` is the yardstick against FlashMLA (kernel time of both on identical inputs):
 # it needs a copy of FlashMLA's measuring harness in .anchor/ (not part of the repository; git-ignored,
 # carried to the device) and runs .anchor/ktime.sh on $KSHAPES (docs/performance.md).
@@ -123,18 +123,6 @@ if has bench; then
   timeout ${BENCH_T:-150} python3 benchmarks/bench_decode.py --shapes $SHAPES --iters "$ITERS" $BENCH_ARGS --json "$OUT/bench.json" \
     2>&1 | tee "$OUT/bench.log" | grep -E "^\|"
   note "bench: $(grep -c '^| ' "$OUT/bench.log") table lines"
-fi
-
-if has diag; then  # where the time goes: 1 = no gathers, 2 = no MMAs, 3 = neither, 4 = no producer stores (results wrong)
-  stamp diag
-  # The switch is compile-time (a shipped build never skips work): rebuild per mode, then back.
-  for m in ${DIAG_MODES:-1 2 3 4}; do
-    build_tree "-DCMAKE_CUDA_FLAGS=-DJSM_TIMING_EXPERIMENT=$m" /dev/null
-    timeout 90 python3 benchmarks/bench_decode.py --shapes ${DIAG_SHAPE:-v32_h128_s2_b128_k2048} \
-      --no-xla --no-reference --iters 5 2>&1 | grep -E "^\| v|^\| m" | sed "s/^/mode $m: /" | tee -a "$OUT/bench.log"
-  done
-  # CMAKE_CUDA_FLAGS is cached in the build tree: clear it, or the next build stays in mode 3.
-  build_tree "-DCMAKE_CUDA_FLAGS=" /dev/null
 fi
 
 if has ktime; then  # device time of each kernel of a few steady-state calls (one counter: no replay)
@@ -295,14 +283,16 @@ fi
 
 if has timeline; then  # CTA by CTA: when the decode kernel's CTAs start, end, and how long each phase takes (128 and 16 heads)
   # TIMELINE_MODES: the timing experiments to record (0 = the kernel as shipped; 1-4 as in
-  # stage diag: with a role's work taken out, which spans of the others shrink).
+  # decode_common.cuh: with a role's work taken out, which spans of the others shrink).
   # TIMELINE_RECORDED=N (default 1): N launches recorded, and whether a CTA's speed stays with
   # its SM across them (and from its first piece to the rest within one).
   # TIMELINE_VARIANTS: patch stacks as in stage variants ("base a a+b"), each applied to the
   # tree for its build of the tool and reverted: ~40 s a variant, where timing one with ncu
   # costs ~80 (the timeline's launch time and phases are the b = 1 measure).
   for v in ${TIMELINE_VARIANTS:-base}; do
-    if ! apply_variant "$v"; then
+    if [[ $v == *@* ]]; then
+      note "timeline $v: not run (its timing experiments are TIMELINE_MODES)"
+    elif ! apply_variant "$v"; then
       note "timeline $v: does not apply"
     else
       # Every mode's build at once (one build's wall time for all of them), then each run alone.
