@@ -392,14 +392,17 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
       build_tree "$(cmake_args_of "$v")" "$OUT/build_$vf.log"; built=$?
     fi
     if [[ $built == 0 ]]; then
+      # timed: whether to time it; wrong: what its tag says when its results are wrong.
       if [[ $(experiment_of "$v") == 0 ]]; then
         timeout ${SMOKE_T:-150} "${py[@]}" benchmarks/gpu_smoke.py >"$OUT/smoke_$vf.log" 2>&1
         line=$(smoke_line "$OUT/smoke_$vf.log")
         note "$v: $line"
-      else  # (wrong by design: a hang would still end at ncu's timeout)
-        line="SMOKE 0/0 not run (timing experiment $(experiment_of "$v"))"
+        smoke_lets_time "$line" && timed=1 || timed=0
+        smoke_passed "$line" && wrong="" || wrong=" (smoke FAILED: its results are wrong)"
+      else  # (wrong by design, not smoked: a hang would still end at ncu's timeout)
+        timed=1; wrong=""
       fi
-      if smoke_lets_time "$line" && [[ ${VARIANT_TIMER:-ktime} == ours && -f .anchor/side_by_side.py ]]; then
+      if [[ $timed == 1 && ${VARIANT_TIMER:-ktime} == ours && -f .anchor/side_by_side.py ]]; then
         # Our kernels alone under ncu (FlashMLA's time does not change from variant to variant:
         # take it once, from a `base` variant or the anchor stage, and save its launches here).
         # The logs stay on the device (only 8 files come back from $OUT); a failed one is tailed.
@@ -408,7 +411,7 @@ if has variants; then  # kernel variants side by side: each of $VARIANTS (benchm
         # "-" none), e.g. the knobs of sensitivity.patch.
         for e in ${VARIANT_ENVS:--}; do
           tag=$v; envs=(); [[ $e == - ]] || { tag="$v[$e]"; envs=(${e//,/ }); }
-          smoke_passed "$line" || tag="$tag (smoke FAILED: its results are wrong)"
+          tag="$tag$wrong"
           for sh in ${KSHAPES:-v32_h16_s2_b128_k2048}; do
             # ktime.sh's own timing of our kernels (side_by_side.time_ours), without FlashMLA.
             # A second try where the first came back without times (seen once, session 27:
@@ -428,7 +431,7 @@ s.time_ours(shape, bench.make_inputs(shape, max(bench._sets_for(shape), bench.CA
             note "$tag: $times"
           done
         done
-      elif smoke_passed "$line" && [[ -f .anchor/ktime.sh ]]; then
+      elif [[ $timed == 1 && -z $wrong && -f .anchor/ktime.sh ]]; then
         OUT="$OUT/$vf" KSHAPES="${KSHAPES:-v32_h16_s2_b128_k2048}" bash .anchor/ktime.sh >/dev/null 2>&1
         while read -r k; do note "$v: $k"; done < <(grep KTIME "$OUT/$vf/ktime.txt" 2>/dev/null)
       fi
