@@ -30,7 +30,11 @@ constexpr float kLn2 = 0.69314718055994531f;
 // same for the RoPE dims alone (what a peer loading its own RoPE could save), =7 as 5 with
 // that row converted a second time from sign-flipped codes (nothing shared): the conversions
 // of a pair that exchanged raw bytes instead of converted rows, without the raw bytes'
-// transfer. Results are then wrong. A compile-time constant: a shipped build has no trace of it.
+// transfer; =8 to skip the pair producer's L2 prefetch of the block after next (results
+// right: what the prefetch buys today); =9 to read every entry from one of the cache's first
+// 32 rows (index & 31: they stay in L1, so the loads' instructions and L1 reads remain and
+// the trips to L2 and memory go). Results are then wrong (but for 8). A compile-time
+// constant: a shipped build has no trace of it.
 #ifdef JSM_TIMING_EXPERIMENT
 constexpr int kTimingExperiment = JSM_TIMING_EXPERIMENT;
 #else
@@ -42,6 +46,8 @@ constexpr bool kSkipMma = kTimingExperiment == 2 || kTimingExperiment == 3;
 constexpr bool kConvertPeerRows = kTimingExperiment == 7;
 constexpr bool kSkipPeerRows = kTimingExperiment == 5 || kConvertPeerRows;
 constexpr bool kSkipPeerRope = kTimingExperiment == 6 || kSkipPeerRows;
+constexpr bool kSkipPrefetch = kTimingExperiment == 8;
+constexpr bool kFixedRows = kTimingExperiment == 9;
 
 struct Params {
   // Q as a 3-d bf16 tensor {d_qk, h_q, batch * s_q} for the 64-row kernels' bulk copies
@@ -180,7 +186,7 @@ __device__ __forceinline__ TokenRef resolve_entry(const EntryIndex& x, const Par
   TokenRef t{nullptr, nullptr};
   if (x.kind == 0) return t;
   const bool extra = x.kind == 2;
-  const int idx = x.idx;
+  const int idx = kFixedRows ? x.idx & 31 : x.idx;
   if (idx < 0 || static_cast<int64_t>(idx) >= (extra ? p.extra_num_tokens : p.num_tokens)) return t;
   const uint8_t* cache = extra ? p.extra_kv : p.kv;
   if (F == KVFormat::kV32) {

@@ -233,7 +233,7 @@ __device__ __forceinline__ void load_token(const TokenRef& t, int q4, RawToken<F
 // kernel and adds 4% to the few-heads one, so only produce_pair uses it.
 template <KVFormat F, bool kBulk>
 __device__ __forceinline__ void prefetch_token_l2(const TokenRef& t, int q4) {
-  if (t.data == nullptr || kSkipLoads) return;
+  if (t.data == nullptr || kSkipLoads || kSkipPrefetch) return;
   constexpr int kRowBytes = F == KVFormat::kV32 ? V32Layout::kBytesPerToken : Model1Layout::kDataBytes;
   static_assert(kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   if (kBulk) {
