@@ -62,11 +62,11 @@ def _serialized(stderr):
                          [("sanitizer_repro/decode_harness.cu", ["decode_launch.cu", "combine.cu"], []),
                           ("micro/cta_timeline.cu", ["decode_launch.cu"], ["-DJSM_CTA_TIMELINE"]),
                           *(("micro/cta_timeline.cu", ["decode_launch.cu"],
-                             ["-DJSM_CTA_TIMELINE", f"-DJSM_TIMING_EXPERIMENT={mode}"]) for mode in (5, 6, 7))])
+                             ["-DJSM_CTA_TIMELINE", f"-DJSM_TIMING_EXPERIMENT={mode}"]) for mode in (5, 6, 7, 10))])
 def test_decode_harness_builds(tmp_path, program, kernels, flags):
     # The kernels launched without JAX: the sanitizers' harness (decode, then combine), and
     # the CTA timeline (its probes compiled in; also in the timing experiments that change
-    # what a pair producer sends its peer, which the stage `timeline` builds).
+    # what a pair producer sends its peer or how it loads its rows).
     done = _builds(tmp_path, [f"benchmarks/{program}", *(f"ffi/cuda/{k}" for k in kernels)], *flags)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not _serialized(done.stderr), "\n".join(_serialized(done.stderr))
@@ -84,7 +84,7 @@ def test_microbenchmark_builds(tmp_path, name):
 # device_run.sh's stage `variants`): each stack still applies to the sources, and its kernels
 # compile with no wgmma serialized and O kept in registers (ptxas reports a few bytes of
 # spills on rare paths; session 43's first seesaw drafts kept O in local memory, kilobytes).
-_VARIANTS = ["l1_prefetch", "l1_prefetch_top", "ld_no_l2_hint", "ld_l2_128", "l1_prefetch+ld_no_l2_hint"]
+_VARIANTS = ["ld_no_l2_hint"]
 _MAX_SPILL_BYTES = 64
 
 
