@@ -422,13 +422,16 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
 
   Cursor c;
   cursor_enter(c, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
+  auto load_block = [&](const TokenRef& ref, RawToken<F>& r) {
+    if constexpr (kWideLoads && F == KVFormat::kV32) {
+      load_token_wide<F, kAligned>(ref, lane, r);  // timing experiment 10
+    } else {
+      load_token<F, kAligned>(ref, q4, r);
+    }
+  };
   TokenRef cur = resolve_entry<F>(load_entry(c, p, s, w.end_req, slot), p);  // block n
   RawToken<F> raw;
-  if constexpr (kWideLoads && F == KVFormat::kV32) {
-    load_token_wide<F, kAligned>(cur, lane, raw);
-  } else {
-    load_token<F, kAligned>(cur, q4, raw);
-  }
+  load_block(cur, raw);
   cursor_advance(c, p, w.end_req, w.end_block);
   bool has1 = c.r <= w.end_req;  // block n + 1 exists
   TokenRef pf = resolve_entry<F>(load_entry(c, p, s, w.end_req, slot), p);  // block n + 1, in L2
@@ -441,11 +444,7 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
 
   for (int n = 0;; ++n) {
     RawToken<F> next;
-    if constexpr (kWideLoads && F == KVFormat::kV32) {
-      load_token_wide<F, kAligned>(pf, lane, next);
-    } else {
-      load_token<F, kAligned>(pf, q4, next);  // absent past the end: nothing is loaded
-    }
+    load_block(pf, next);  // absent past the end: nothing is loaded
     const TokenRef pf2 = resolve_entry<F>(idx, p);
     prefetch_token_l2<F, kAligned>(pf2, q4);
     const EntryIndex idx3 = load_entry(c, p, s, w.end_req, slot);
