@@ -35,7 +35,8 @@ build_tool() {
 build_flashmla() { python3 .anchor/build_fm.py >"$OUT/fm_build.log" 2>&1 || tail -20 "$OUT/fm_build.log"; }
 # A variant is a patch stack, "a+b" (benchmarks/patches/a.patch, then b's) or "base" (none),
 # with an optional "@N": built with -DJSM_TIMING_EXPERIMENT=N (decode_common.cuh; results
-# wrong, so not smoked, only timed), e.g. "base@5". Its patch files, its timing experiment
+# wrong, so not smoked, only timed), e.g. "base@5"; "base@00" is the shipped build (N is 0)
+# timed without a smoke, as any "@" name is. Its patch files, its timing experiment
 # (0: none), its CMake arguments, and its name in file names (the transfer back refuses "+").
 patches_of() { local s=${1%@*}; [[ $s == base ]] || tr '+' '\n' <<<"$s" | sed 's#.*#benchmarks/patches/&.patch#'; }
 experiment_of() { [[ $1 == *@* ]] && echo "${1##*@}" || echo 0; }
