@@ -62,7 +62,7 @@ def _serialized(stderr):
                          [("sanitizer_repro/decode_harness.cu", ["decode_launch.cu", "combine.cu"], []),
                           ("micro/cta_timeline.cu", ["decode_launch.cu"], ["-DJSM_CTA_TIMELINE"]),
                           *(("micro/cta_timeline.cu", ["decode_launch.cu"],
-                             ["-DJSM_CTA_TIMELINE", f"-DJSM_TIMING_EXPERIMENT={mode}"]) for mode in (5, 6, 7, 10))])
+                             ["-DJSM_CTA_TIMELINE", f"-DJSM_TIMING_EXPERIMENT={mode}"]) for mode in (5, 6, 7, 11))])
 def test_decode_harness_builds(tmp_path, program, kernels, flags):
     # The kernels launched without JAX: the sanitizers' harness (decode, then combine), and
     # the CTA timeline (its probes compiled in; also in the timing experiments that change
@@ -84,7 +84,7 @@ def test_microbenchmark_builds(tmp_path, name):
 # device_run.sh's stage `variants`): each stack still applies to the sources, and its kernels
 # compile with no wgmma serialized and O kept in registers (ptxas reports a few bytes of
 # spills on rare paths; session 43's first seesaw drafts kept O in local memory, kilobytes).
-_VARIANTS = ["ld_no_l2_hint", "lanes8"]
+_VARIANTS = ["ld_no_l2_hint", "q_prefetch"]
 _MAX_SPILL_BYTES = 64
 
 

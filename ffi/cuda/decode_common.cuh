@@ -33,10 +33,10 @@ constexpr float kLn2 = 0.69314718055994531f;
 // transfer; =8 to skip the pair producer's L2 prefetch of the block after next (results
 // right: what the prefetch buys today); =9 to read every entry from one of the cache's first
 // 32 rows (index & 31: they stay in L1, so the loads' instructions and L1 reads remain and
-// the trips to L2 and memory go); =10 to have each of a V32 pair producer's row loads read 4
-// entries x 128 contiguous bytes a warp instruction instead of 8 x 64 (the lines an
-// instruction touches halve; the bytes land in other threads' rows: what loading with 8
-// lanes an entry would save, before its other costs). Results are then wrong (but for 8).
+// the trips to L2 and memory go); =11 to keep a worker's first Q for all its pieces (no
+// reload, and no wait for one at a piece's first QK: what fetching Q mid-walk costs).
+// Results are then wrong (but for 8). (10 is retired: 4 entries x 128 bytes a row-load
+// instruction, +2.5% in session 47.)
 // A compile-time constant: a shipped build has no trace of it.
 #ifdef JSM_TIMING_EXPERIMENT
 constexpr int kTimingExperiment = JSM_TIMING_EXPERIMENT;
@@ -51,7 +51,7 @@ constexpr bool kSkipPeerRows = kTimingExperiment == 5 || kConvertPeerRows;
 constexpr bool kSkipPeerRope = kTimingExperiment == 6 || kSkipPeerRows;
 constexpr bool kSkipPrefetch = kTimingExperiment == 8;
 constexpr bool kFixedRows = kTimingExperiment == 9;
-constexpr bool kWideLoads = kTimingExperiment == 10;
+constexpr bool kKeepFirstQ = kTimingExperiment == 11;
 
 struct Params {
   // Q as a 3-d bf16 tensor {d_qk, h_q, batch * s_q} for the 64-row kernels' bulk copies

@@ -226,27 +226,6 @@ __device__ __forceinline__ void load_token(const TokenRef& t, int q4, RawToken<F
   }
 }
 
-// Timing experiment 10 (V32): the row loads of a warp's 8 entries as 4 entries x 128
-// contiguous bytes an instruction. Lane l reads 16 bytes at 16 (l % 8) of entry l / 8's or
-// l / 8 + 4's chunks (its warp's entries, whose rows lanes 0..7 hold); the scales stay its own.
-template <KVFormat F, bool kAligned>
-__device__ __forceinline__ void load_token_wide(const TokenRef& t, int lane, RawToken<F>& raw) {
-  static_assert(F == KVFormat::kV32, "experiment 10 is V32's");
-  const uint8_t* src[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-    src[h] = reinterpret_cast<const uint8_t*>(
-        __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(t.data), 4 * h + (lane >> 3)));
-  const int at = 16 * (lane & 7);
-#pragma unroll
-  for (int i = 0; i < Fmt<F>::kNopeSpans; ++i)
-    raw.nope[i] = src[i & 1] ? load16<kAligned>(src[i & 1] + 128 * (i >> 1) + at) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-    raw.rope[h] = src[h] ? load16<kAligned>(src[h] + Fmt<F>::kRopeOffset + at) : make_uint4(0, 0, 0, 0);
-  raw.scales = t.data ? load16<kAligned>(t.data + V32Layout::kScaleOffset) : make_uint4(0, 0, 0, 0);
-}
-
 // Brings a valid entry's bytes into L2, so that the register loads a block later wait for
 // L2 rather than for memory. kBulk (16-byte-aligned rows only): one bulk prefetch of the row
 // by the copy engine (lane q4 = 0), which costs the LSU nothing; otherwise lanes q4 and
@@ -422,16 +401,9 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
 
   Cursor c;
   cursor_enter(c, p, w.begin_req, w.begin_block, w.end_req, w.end_block);
-  auto load_block = [&](const TokenRef& ref, RawToken<F>& r) {
-    if constexpr (kWideLoads && F == KVFormat::kV32) {
-      load_token_wide<F, kAligned>(ref, lane, r);  // timing experiment 10
-    } else {
-      load_token<F, kAligned>(ref, q4, r);
-    }
-  };
   TokenRef cur = resolve_entry<F>(load_entry(c, p, s, w.end_req, slot), p);  // block n
   RawToken<F> raw;
-  load_block(cur, raw);
+  load_token<F, kAligned>(cur, q4, raw);
   cursor_advance(c, p, w.end_req, w.end_block);
   bool has1 = c.r <= w.end_req;  // block n + 1 exists
   TokenRef pf = resolve_entry<F>(load_entry(c, p, s, w.end_req, slot), p);  // block n + 1, in L2
@@ -444,7 +416,7 @@ __device__ __forceinline__ void produce_pair(const Params& p, const Work& w, int
 
   for (int n = 0;; ++n) {
     RawToken<F> next;
-    load_block(pf, next);  // absent past the end: nothing is loaded
+    load_token<F, kAligned>(pf, q4, next);  // absent past the end: nothing is loaded
     const TokenRef pf2 = resolve_entry<F>(idx, p);
     prefetch_token_l2<F, kAligned>(pf2, q4);
     const EntryIndex idx3 = load_entry(c, p, s, w.end_req, slot);
@@ -811,7 +783,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     }
     span_add(t == 0, kSpanQK, span_t);
     span_t = span_clock();
-    if (last && !st.walk_ends) {  // Q is free: fetch the next request's
+    if (last && !st.walk_ends && !kKeepFirstQ) {  // Q is free: fetch the next request's
       load_q<F>(p, nx.r, s, hg * kRows, sb + L::kQ, sb + L::kQFull, t);
       q_pending = true;
     }
