@@ -751,7 +751,9 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     const uint32_t k_s = st.k_tile;
 
     if (q_pending) {
+      const long long span_q = span_clock();
       mbar_wait(sb + L::kQFull, parity);  // (written by the copy engine: no proxy fence for wgmma)
+      span_add(t == 0 && n > 0, kSpanQKWaitNextQ, span_q);
       q_pending = false;
       stamp(t == 0 && n == 0, kStampQ);
     }
