@@ -786,8 +786,10 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     span_add(t == 0, kSpanQK, span_t);
     span_t = span_clock();
     if (last && !st.walk_ends && !kKeepFirstQ) {  // Q is free: fetch the next request's
+      const long long span_issue = span_clock();
       load_q<F>(p, nx.r, s, hg * kRows, sb + L::kQ, sb + L::kQFull, t);
       q_pending = true;
+      span_add(t == 0, kSpanQKIssueNextQ, span_issue);
     }
 
     // Online softmax (base 2) over this thread's 2 rows x 16 entries. Invalid entries
