@@ -266,7 +266,7 @@ int main(int argc, char** argv) {
       {"  of it: P stores (few-heads: + fence), arrive", tl::kSpanSoftmaxHandOver},
       {"WG0 P V (its half)", tl::kSpanQKPV},
       {"WG0 piece end (sums, stores)", tl::kSpanQKPieceEnd},
-      {"WG0 issues the next piece's Q copies", tl::kSpanQKIssueNextQ},
+      {"issuing the next piece's Q copies", tl::kSpanQKIssueNextQ},
       {"WG0 waits for a later piece's Q", tl::kSpanQKWaitNextQ},
       {"WG1 waits for P", tl::kSpanPVWaitP},
       {"WG1 P V (its half)", tl::kSpanPV},

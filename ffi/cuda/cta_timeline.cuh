@@ -49,7 +49,7 @@ enum Span {
   kSpanSoftmaxHandOver, //   of the softmax: P and alpha stores (few-heads: proxy fence), arrive
   kSpanQKPV,            //   P handed -> its half of P V complete (rescale included)
   kSpanQKPieceEnd,      //   a piece's end: sums, lse, barrier, output stores issued
-  kSpanQKIssueNextQ,    //   a piece's last block: issuing the next piece's Q copies
+  kSpanQKIssueNextQ,    //   a piece's end: the issuing thread sends the next piece's Q copies
   kSpanQKWaitNextQ,     //   a later piece's first block: waiting for its Q (copy engine)
   kSpanPVWaitP,         // WG1: waiting for WG0's P
   kSpanPV,              //   P ready -> its half of P V complete (rescale included)
