@@ -266,6 +266,8 @@ int main(int argc, char** argv) {
       {"  of it: P stores (few-heads: + fence), arrive", tl::kSpanSoftmaxHandOver},
       {"WG0 P V (its half)", tl::kSpanQKPV},
       {"WG0 piece end (sums, stores)", tl::kSpanQKPieceEnd},
+      {"  of it: waiting for WG1 at the barrier", tl::kSpanQKPieceEndWait},
+      {"  of it: output stores issued", tl::kSpanQKPieceEndStore},
       {"issuing the next piece's Q copies", tl::kSpanQKIssueNextQ},
       {"WG0 waits for a later piece's Q", tl::kSpanQKWaitNextQ},
       {"WG1 waits for P", tl::kSpanPVWaitP},

@@ -49,6 +49,8 @@ enum Span {
   kSpanSoftmaxHandOver, //   of the softmax: P and alpha stores (few-heads: proxy fence), arrive
   kSpanQKPV,            //   P handed -> its half of P V complete (rescale included)
   kSpanQKPieceEnd,      //   a piece's end: sums, lse, barrier, output stores issued
+  kSpanQKPieceEndWait,  //     of it: waiting at the piece-end barrier for WG1
+  kSpanQKPieceEndStore, //     of it: its output stores issued
   kSpanQKIssueNextQ,    //   a piece's end: the issuing thread sends the next piece's Q copies
   kSpanQKWaitNextQ,     //   a later piece's first block: waiting for its Q (copy engine)
   kSpanPVWaitP,         // WG1: waiting for WG0's P

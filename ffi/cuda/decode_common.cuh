@@ -34,7 +34,9 @@ constexpr float kLn2 = 0.69314718055994531f;
 // right: what the prefetch buys today); =9 to read every entry from one of the cache's first
 // 32 rows (index & 31: they stay in L1, so the loads' instructions and L1 reads remain and
 // the trips to L2 and memory go); =11 to keep a worker's first Q for all its pieces (no
-// reload, and no wait for one at a piece's first QK: what fetching Q mid-walk costs).
+// reload, and no wait for one at a piece's first QK: what fetching Q mid-walk costs); =12 to
+// skip the output stores of every piece but a worker's last (what the stores cost where all
+// workers cross into their next request at once).
 // Results are then wrong (but for 8). (10 is retired: 4 entries x 128 bytes a row-load
 // instruction, +2.5% in session 47.)
 // A compile-time constant: a shipped build has no trace of it.
@@ -52,6 +54,7 @@ constexpr bool kSkipPeerRope = kTimingExperiment == 6 || kSkipPeerRows;
 constexpr bool kSkipPrefetch = kTimingExperiment == 8;
 constexpr bool kFixedRows = kTimingExperiment == 9;
 constexpr bool kKeepFirstQ = kTimingExperiment == 11;
+constexpr bool kSkipMidWalkStores = kTimingExperiment == 12;
 
 struct Params {
   // Q as a 3-d bf16 tensor {d_qk, h_q, batch * s_q} for the 64-row kernels' bulk copies

@@ -887,14 +887,18 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
         m[hf] = kInitMax;
         l[hf] = 0.f;
       }
+      const long long span_wait = span_clock();
       named_bar_sync(kBarPieceEnd, kConsumers);  // (past it, both consumers are done with every tile)
+      span_add(t == 0, kSpanQKPieceEndWait, span_wait);
       stamp_first(t == 0, kStampFirstPieceEnd);
       stamp(t == 0, kStampStoreQK);
+      const long long span_store = span_clock();
       if (stage_output(p, po, st.walk_ends)) {
         store_o_staged(p, o, f, po, s, hg, r0, c, 0, smem + L::kK);
-      } else {
+      } else if (!kSkipMidWalkStores || st.walk_ends) {
         store_o(p, o, f, po, s, hg, r0, c, 0);
       }
+      span_add(t == 0, kSpanQKPieceEndStore, span_store);
       stamp(t == 0, kStampStoredQK);
       span_add(t == 0, kSpanQKPieceEnd, span_t);
       zero(o);
@@ -973,7 +977,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
       stamp(t == 0, kStampStorePV);
       if (stage_output(p, po, st.walk_ends)) {
         store_o_staged(p, o, f, po, s, hg, r0, c, 256, smem + L::kK);
-      } else {
+      } else if (!kSkipMidWalkStores || st.walk_ends) {
         store_o(p, o, f, po, s, hg, r0, c, 256);
       }
       stamp(t == 0, kStampStoredPV);
