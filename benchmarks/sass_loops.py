@@ -8,6 +8,10 @@ producer's cursor off the uniform datapath (U* opcodes) into vector registers.
 
     cuobjdump -sass -fun <mangled decode_kernel name> X.cubin > k.sass
     python3 benchmarks/sass_loops.py base.sass patched.sass --region 3   # 3: the pair producer
+
+For WG0's region (2) it also counts the path every full block runs from QK's wait to P's store
+(instructions and their control bits' stall cycles): session 47 found a copy issue behind a
+rarely taken branch making that path 13 instructions and ~50 stall cycles longer.
 """
 import argparse
 import collections
@@ -35,6 +39,36 @@ def largest_loop(instrs):
     return best
 
 
+def qk_to_p_path(loop):
+    """WG0's path in its block loop from the QK product's wait (the first WARPGROUP.DEPBAR after
+    the last m64n64 HGMMA) to P's first STS.128, without what forward branches inside it jump
+    over (the copy issue of a piece's end, the masking of a block with invalid entries): the
+    instructions every full block runs there (empty when the loop has no such span)."""
+    qk = [i for i, x in enumerate(loop) if "HGMMA.64x64x16" in x.op]
+    if not qk:
+        return []
+    start = next((i for i in range(qk[-1], len(loop)) if "WARPGROUP.DEPBAR" in loop[i].op), None)
+    end = next((i for i in range(start or 0, len(loop)) if opcode_of(loop[i].op) == "STS.128"), None)
+    if start is None or end is None:
+        return []
+    path, skip_to = [], None
+    for x in loop[start:end]:
+        if skip_to is not None and x.addr < skip_to:
+            continue
+        skip_to = None
+        path.append(x)
+        m = _BRANCH_TARGET.search(x.op)
+        if m and opcode_of(x.op) == "BRA" and loop[start].addr < int(m.group(1), 16) <= loop[end].addr:
+            skip_to = int(m.group(1), 16)
+    return path
+
+
+def stall_cycles(instrs):
+    """The stall counts of the instructions' control bits, added up (a static floor of the
+    cycles a warp spends issuing them)."""
+    return sum(x.control.stall for x in instrs if x.control is not None)
+
+
 def opcode_changes(base, patched):
     """(opcode, count in base, count in patched) where they differ, largest change last."""
     a = collections.Counter(opcode_of(x.op) for x in base)
@@ -56,6 +90,10 @@ def main():
             sys.exit(f"{path}: region {args.region} not found (it has {len(found)})")
         loops.append(largest_loop(found[args.region - 1]))
     print(f"largest loop of region {args.region}: {len(loops[0])} -> {len(loops[1])} instructions")
+    paths = [qk_to_p_path(loop) for loop in loops]
+    if all(paths):  # WG0's region
+        print(f"  QK's wait -> P's store, every full block: {len(paths[0])} -> {len(paths[1])} instructions, "
+              f"{stall_cycles(paths[0])} -> {stall_cycles(paths[1])} stall cycles")
     for op, a, b in opcode_changes(*loops):
         print(f"  {op:28s} {a:5d} {b:5d} {b - a:+d}")
 
