@@ -62,7 +62,7 @@ def _serialized(stderr):
                          [("sanitizer_repro/decode_harness.cu", ["decode_launch.cu", "combine.cu"], []),
                           ("micro/cta_timeline.cu", ["decode_launch.cu"], ["-DJSM_CTA_TIMELINE"]),
                           *(("micro/cta_timeline.cu", ["decode_launch.cu"],
-                             ["-DJSM_CTA_TIMELINE", f"-DJSM_TIMING_EXPERIMENT={mode}"]) for mode in (5, 6, 7, 11))])
+                             ["-DJSM_CTA_TIMELINE", f"-DJSM_TIMING_EXPERIMENT={mode}"]) for mode in (5, 6, 7, 11, 12))])
 def test_decode_harness_builds(tmp_path, program, kernels, flags):
     # The kernels launched without JAX: the sanitizers' harness (decode, then combine), and
     # the CTA timeline (its probes compiled in; also in the timing experiments that change

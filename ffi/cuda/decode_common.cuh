@@ -36,9 +36,8 @@ constexpr float kLn2 = 0.69314718055994531f;
 // the trips to L2 and memory go); =11 to keep a worker's first Q for all its pieces (no
 // reload, and no wait for one at a piece's first QK: what fetching Q mid-walk costs); =12 to
 // skip the output stores of every piece but a worker's last (what the stores cost where all
-// workers cross into their next request at once).
-// Results are then wrong (but for 8). (10 is retired: 4 entries x 128 bytes a row-load
-// instruction, +2.5% in session 47.)
+// workers cross into their next request at once). Results are then wrong (but for 8).
+// (10 is retired: 4 entries x 128 bytes a row-load instruction, +2.5% in session 47.)
 // A compile-time constant: a shipped build has no trace of it.
 #ifdef JSM_TIMING_EXPERIMENT
 constexpr int kTimingExperiment = JSM_TIMING_EXPERIMENT;
