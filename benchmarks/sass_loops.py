@@ -48,8 +48,10 @@ def qk_to_p_path(loop):
     if not qk:
         return []
     start = next((i for i in range(qk[-1], len(loop)) if "WARPGROUP.DEPBAR" in loop[i].op), None)
-    end = next((i for i in range(start or 0, len(loop)) if opcode_of(loop[i].op) == "STS.128"), None)
-    if start is None or end is None:
+    if start is None:
+        return []
+    end = next((i for i in range(start, len(loop)) if opcode_of(loop[i].op) == "STS.128"), None)
+    if end is None:
         return []
     path, skip_to = [], None
     for x in loop[start:end]:

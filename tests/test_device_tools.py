@@ -66,7 +66,7 @@ def _serialized(stderr):
 def test_decode_harness_builds(tmp_path, program, kernels, flags):
     # The kernels launched without JAX: the sanitizers' harness (decode, then combine), and
     # the CTA timeline (its probes compiled in; also in the timing experiments that change
-    # what a pair producer sends its peer or how it loads its rows).
+    # what a pair producer sends its peer, or when the consumers fetch Q and store a piece).
     done = _builds(tmp_path, [f"benchmarks/{program}", *(f"ffi/cuda/{k}" for k in kernels)], *flags)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not _serialized(done.stderr), "\n".join(_serialized(done.stderr))
