@@ -84,7 +84,7 @@ def test_microbenchmark_builds(tmp_path, name):
 # device_run.sh's stage `variants`): each stack still applies to the sources, and its kernels
 # compile with no wgmma serialized and O kept in registers (ptxas reports a few bytes of
 # spills on rare paths; session 43's first seesaw drafts kept O in local memory, kilobytes).
-_VARIANTS = ["ld_no_l2_hint", "q_issue_wg1", "q_issue_wg1+staged_mid_stores"]
+_VARIANTS = ["ld_no_l2_hint"]
 _MAX_SPILL_BYTES = 64
 
 

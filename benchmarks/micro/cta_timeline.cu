@@ -268,11 +268,11 @@ int main(int argc, char** argv) {
       {"WG0 piece end (sums, stores)", tl::kSpanQKPieceEnd},
       {"  of it: waiting for WG1 at the barrier", tl::kSpanQKPieceEndWait},
       {"  of it: output stores issued", tl::kSpanQKPieceEndStore},
-      {"issuing the next piece's Q copies", tl::kSpanQKIssueNextQ},
       {"WG0 waits for a later piece's Q", tl::kSpanQKWaitNextQ},
       {"WG1 waits for P", tl::kSpanPVWaitP},
       {"WG1 P V (its half)", tl::kSpanPV},
       {"WG1 piece end (stores)", tl::kSpanPVPieceEnd},
+      {"WG1 issues the next piece's Q copies", tl::kSpanPVIssueNextQ},
       {"producer waits for a free buffer", tl::kSpanProducerWaitEmpty},
       {"producer converts and writes a block", tl::kSpanProducerStore},
   };

@@ -51,11 +51,11 @@ enum Span {
   kSpanQKPieceEnd,      //   a piece's end: sums, lse, barrier, output stores issued
   kSpanQKPieceEndWait,  //     of it: waiting at the piece-end barrier for WG1
   kSpanQKPieceEndStore, //     of it: its output stores issued
-  kSpanQKIssueNextQ,    //   a piece's end: the issuing thread sends the next piece's Q copies
   kSpanQKWaitNextQ,     //   a later piece's first block: waiting for its Q (copy engine)
   kSpanPVWaitP,         // WG1: waiting for WG0's P
   kSpanPV,              //   P ready -> its half of P V complete (rescale included)
   kSpanPVPieceEnd,      //   a piece's end: barrier, output stores issued
+  kSpanPVIssueNextQ,    //   a piece's end: its thread 0 sends the next piece's Q copies
   kSpanProducerWaitEmpty,  // producer: waiting for a free buffer (`empty`)
   kSpanProducerStore,      //   converting and writing a block (both CTAs' tiles), `full` arrived
   kSpans

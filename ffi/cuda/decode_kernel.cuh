@@ -493,9 +493,10 @@ __device__ __forceinline__ void release_tile(uint32_t bar, uint32_t peer_bar) {
 }
 
 // Q rows of heads h0 .. h0 + 63 for (request r, query row s): one bulk tensor copy per
-// 64-column slice (kQSlice bytes, swizzled), all issued by thread 0 of WG0 (t: the thread's
-// index in the warpgroup), which also arms the mbarrier `bar` with their bytes: its phase
-// flips once every slice has landed. Rows past h_q lie outside the map and land as zeros.
+// 64-column slice (kQSlice bytes, swizzled), all issued by thread 0 of a consumer warpgroup
+// (t: the thread's index in it; WG0 for a worker's first Q, WG1 at each later piece's start),
+// which also arms the mbarrier `bar` with their bytes: its phase flips once every slice has
+// landed. Rows past h_q lie outside the map and land as zeros.
 // The copy engine reads Q, so its loads do not queue with the producer's in the load/store
 // unit (b = 1: Q in shared memory 4.7 -> 1.1 us after the CTA's start, NOTES session 34).
 // Issuing from one thread, not a lane per slice, is a register-allocation choice: with lanes,
@@ -785,12 +786,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
     }
     span_add(t == 0, kSpanQK, span_t);
     span_t = span_clock();
-    if (last && !st.walk_ends && !kKeepFirstQ) {  // Q is free: fetch the next request's
-      const long long span_issue = span_clock();
-      load_q<F>(p, nx.r, s, hg * kRows, sb + L::kQ, sb + L::kQFull, t);
-      q_pending = true;
-      span_add(t == 0, kSpanQKIssueNextQ, span_issue);
-    }
+    if (last && !st.walk_ends && !kKeepFirstQ) q_pending = true;  // WG1 fetches the next request's Q
 
     // Online softmax (base 2) over this thread's 2 rows x 16 entries. Invalid entries
     // get -inf; the common all-valid block skips the selects (a uniform branch).
@@ -973,6 +969,14 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
       span_t = span_clock();
       const PieceOut po = piece_out(p, w, cur.r);
       named_bar_sync(kBarPieceEnd, kConsumers);
+      // Q is free (WG0's QK of this block is long done): the next request's copies go out
+      // from here and land while both consumers store this piece. Issued in WG0's block loop,
+      // their code cost every block ~50 stall cycles on WG0's softmax path (NOTES, session 47).
+      if (!st.walk_ends && !kKeepFirstQ) {
+        const long long span_issue = span_clock();
+        load_q<F>(p, nx.r, s, hg * kRows, sb + L::kQ, sb + L::kQFull, t);
+        span_add(t == 0, kSpanPVIssueNextQ, span_issue);
+      }
       const float f[2] = {final_s[parity * kRows + r0], final_s[parity * kRows + r0 + 8]};
       stamp(t == 0, kStampStorePV);
       if (stage_output(p, po, st.walk_ends)) {
