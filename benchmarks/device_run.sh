@@ -142,9 +142,10 @@ if has anchor; then  # ours vs FlashMLA, kernel time per call from ncu, same inp
     build_flashmla
     OUT="$OUT" KSHAPES="${KSHAPES:-v32_h128_s2_b128_k2048}" bash .anchor/ktime.sh 2>&1 | grep -E "KTIME|median"
     note "$(grep KTIME "$OUT/ktime.txt" 2>/dev/null)"
-    # A shape that came back without times: the end of its ncu log (the logs stay on the device).
+    # A shape that came back without times: the end of its ncu log, printed and kept in $OUT
+    # (a caller's output filter may drop the print; the full logs stay on the device).
     for sh in $(grep -oE 'KTIME [a-z0-9_]+ incomplete' "$OUT/ktime.txt" | cut -d' ' -f2); do
-      echo "--- $sh:"; tail -15 "${KTIME_LOGS:-/tmp/ktime_logs}/ncu_$sh.log"
+      echo "--- $sh:"; tail -40 "${KTIME_LOGS:-/tmp/ktime_logs}/ncu_$sh.log" | tee "$OUT/ktime_incomplete_$sh.log"
     done
   else
     note "anchor: no .anchor/ (copy FlashMLA's harness there and carry it)"
