@@ -8,7 +8,8 @@ kernel's CTAs end (benchmarks/sm_balance.py); the split of ncu's source counters
 and by how often a line runs (benchmarks/ncu_roles.py); how soon a role's shared-memory stores
 have their source registers overwritten (benchmarks/store_reuse.py); which scoreboard waits
 also wait for global loads issued just before them (benchmarks/sass_waits.py); how a role's steady loop
-changed between two builds (benchmarks/sass_loops.py); the NumPy model of the 16-head
+changed between two builds (benchmarks/sass_loops.py); racecheck's pairs shown as SASS
+instructions (benchmarks/race_pairs.py); the NumPy model of the 16-head
 kernel's rounding (benchmarks/numerics_probe.py); and the one of the f16-product variant's
 (benchmarks/emulate_f16_products.py)."""
 
@@ -29,6 +30,7 @@ from benchmarks import emulate_f16_products
 from benchmarks.kernel_times import kernel_medians
 from benchmarks.sm_balance import lines_for
 from benchmarks.numerics_probe import model_decode, stale_plan_case, stale_plan_in_the_model
+from benchmarks.race_pairs import kernel_name, kernels, pairs
 from benchmarks.sass_loops import largest_loop, opcode_changes, qk_to_p_path, stall_cycles
 from benchmarks.sass_text import Control, Instr, instructions, parse, regions
 from benchmarks.sass_waits import needless_load_waits, waits
@@ -295,6 +297,37 @@ def test_qk_to_p_path_keeps_what_every_full_block_runs():
                                              sass=lambda ins: ins.op)[0])) == []
     ctl = [Control(stall, 0, 7, 7, 0) for stall in (4, 11, 2)]
     assert stall_cycles([Instr(0x10 * i, "NOP", c) for i, c in enumerate(ctl)] + [Instr(0x40, "NOP", None)]) == 17
+
+
+def test_race_pairs_match_each_site_to_its_instruction():
+    # Racecheck's and c++filt's spellings of one kernel meet; a report with two other sites gives
+    # two pairs, and a repeated pair sums its hazards.
+    ours = "void jsm::cuda::decode_kernel<(jsm::KVFormat)0, (int)2, (bool)1>(jsm::cuda::Params)"
+    assert kernel_name(ours) == kernel_name("void jsm::cuda::decode_kernel<(jsm::KVFormat)0, 2, true>"
+                                            "(jsm::cuda::Params)") == "decode_kernel<0, 2, true>"
+    assert kernel_name("handoff(float *, int)") == "handoff"
+    log = f"""========= Error: Race reported between Read access at {ours}+0x1800
+=========     and Write access at {ours}+0x9fd0 [160 hazards]
+=========     and Write access at {ours}+0xa040 [96 hazards]
+========= Error: Race reported between Read access at {ours}+0x1800
+=========     and Write access at {ours}+0x9fd0 [40 hazards]
+"""
+    site = ("decode_kernel<0, 2, true>", "Read", 0x1800)
+    assert pairs(log) == {(site, ("decode_kernel<0, 2, true>", "Write", 0x9fd0)): 200,
+                          (site, ("decode_kernel<0, 2, true>", "Write", 0xa040)): 96}
+    sass = """
+        Function : _Zmangled_a
+        /*1800*/                   LDS.128 R164, [R12+0x35800] ;
+        /*9fd0*/                   STS.128 [R194+0x36000], R152 ;
+        Function : _Zmangled_b
+        /*1800*/                   NOP ;
+"""
+    demangled = {"_Zmangled_a": "void jsm::cuda::decode_kernel<(jsm::KVFormat)0, 2, true>(jsm::cuda::Params)",
+                 "_Zmangled_b": "void jsm::cuda::decode_kernel_rs<(jsm::KVFormat)1, 16, false>(jsm::cuda::Params)"}
+    code = kernels(sass, demangled=lambda names: [demangled[n] for n in names])
+    assert code == {"decode_kernel<0, 2, true>": {0x1800: "LDS.128 R164, [R12+0x35800]",
+                                                  0x9fd0: "STS.128 [R194+0x36000], R152"},
+                    "decode_kernel_rs<1, 16, false>": {0x1800: "NOP"}}
 
 
 def test_sass_waits_finds_a_wait_for_loads_it_does_not_need():
