@@ -644,6 +644,19 @@ __device__ __forceinline__ bool stage_output(const Params& p, const PieceOut& po
   return last_piece && po.write && po.pieces == 1 && (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
 }
 
+// A consumer's piece end: its half of O (columns col0 ..) out by the path stage_output picks
+// (`stage`: the K tiles, free past the piece-end barrier). Timing experiment 12 skips every
+// piece's stores but the CTA's last.
+__device__ __forceinline__ void store_piece(const Params& p, const float (&o)[128], const float (&f)[2],
+                                            const PieceOut& po, int s, int hg, int r0, int c, int col0,
+                                            uint8_t* stage, bool last_piece) {
+  if (stage_output(p, po, last_piece)) {
+    store_o_staged(p, o, f, po, s, hg, r0, c, col0, stage);
+  } else if (!kSkipMidWalkStores || last_piece) {
+    store_o(p, o, f, po, s, hg, r0, c, col0);
+  }
+}
+
 // O rows scaled by their alpha; skipped by a warp whose rows all keep their maximum
 // (alpha exactly 1: the product would change nothing).
 __device__ __forceinline__ void rescale_o(float (&o)[128], float a0, float a1) {
@@ -889,11 +902,7 @@ __device__ __forceinline__ void consume_qk(const Params& p, const Work& w, int s
       stamp_first(t == 0, kStampFirstPieceEnd);
       stamp(t == 0, kStampStoreQK);
       const long long span_store = span_clock();
-      if (stage_output(p, po, st.walk_ends)) {
-        store_o_staged(p, o, f, po, s, hg, r0, c, 0, smem + L::kK);
-      } else if (!kSkipMidWalkStores || st.walk_ends) {
-        store_o(p, o, f, po, s, hg, r0, c, 0);
-      }
+      store_piece(p, o, f, po, s, hg, r0, c, 0, smem + L::kK, st.walk_ends);
       span_add(t == 0, kSpanQKPieceEndStore, span_store);
       stamp(t == 0, kStampStoredQK);
       span_add(t == 0, kSpanQKPieceEnd, span_t);
@@ -979,11 +988,7 @@ __device__ __forceinline__ void consume_pv(const Params& p, const Work& w, int s
       }
       const float f[2] = {final_s[parity * kRows + r0], final_s[parity * kRows + r0 + 8]};
       stamp(t == 0, kStampStorePV);
-      if (stage_output(p, po, st.walk_ends)) {
-        store_o_staged(p, o, f, po, s, hg, r0, c, 256, smem + L::kK);
-      } else if (!kSkipMidWalkStores || st.walk_ends) {
-        store_o(p, o, f, po, s, hg, r0, c, 256);
-      }
+      store_piece(p, o, f, po, s, hg, r0, c, 256, smem + L::kK, st.walk_ends);
       stamp(t == 0, kStampStoredPV);
       span_add(t == 0, kSpanPVPieceEnd, span_t);
       zero(o);
